@@ -1,0 +1,1 @@
+"""raywright training: a GPT trained by Ray Train workers running DeepSpeed ZeRO."""

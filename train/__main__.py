@@ -1,0 +1,40 @@
+"""python -m train [--config RECIPE] [--set section.key=value ...]"""
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from train.config import ConfigError, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m train", description="Train a GPT with Ray Train and DeepSpeed.")
+    parser.add_argument("--config", default="tiny", help="recipe name in configs/ or a YAML path (default: tiny)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value (repeatable), e.g. --set optim.lr=3e-4",
+    )
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.set)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(json.dumps(cfg.to_dict(), indent=2))
+        return 0
+
+    from train.launch import run_training  # imports Ray and DeepSpeed: only after the config is valid
+
+    summary = run_training(cfg)
+    print("\n".join(f"{key:>17}: {value}" for key, value in dataclasses.asdict(summary).items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

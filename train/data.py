@@ -1,0 +1,188 @@
+"""Corpus -> tokenized fixed-length sequences in Parquet shards, with a manifest.
+
+    python -m train.data prepare --source 'corpus/**/*.txt' --out data/mycorpus --seq-len 256
+
+Ray Data reads and tokenizes the documents in parallel. Each document goes to the
+train or validation split by a hash of its content (stable across runs and machines),
+its tokens are concatenated with an end-of-text token between documents, and the
+stream is cut into sequences of ``seq_len + 1`` tokens (inputs plus shifted targets).
+``manifest.json`` is written last: a dataset directory without it is incomplete.
+"""
+
+import argparse
+import fnmatch
+import hashlib
+import os
+import sysconfig
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from train import storage
+from train.tokenizer import ByteTokenizer, tokenizer_from_dict
+
+MANIFEST = "manifest.json"
+SPLITS = ("train", "val")
+
+
+def default_source() -> str:
+    """The running interpreter's standard library source: ~30 MB of text on every machine."""
+    return os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py")
+
+
+def list_source(source: str) -> tuple[pafs.FileSystem, list[str], str]:
+    """The filesystem, sorted file paths and kind (text, jsonl or parquet) of a source spec.
+
+    A source is a file, a directory (every file below it), or a glob (``*`` crosses directories).
+    """
+    fs, path = storage.resolve(source)
+    is_glob = any(ch in path for ch in "*?[")
+    base = path.split("*")[0].split("?")[0].split("[")[0].rsplit("/", 1)[0] if is_glob else path
+    info = fs.get_file_info(base)
+    if info.type == pafs.FileType.NotFound:
+        raise FileNotFoundError(f"data.source: {source!r} does not exist")
+    if info.type == pafs.FileType.File:
+        files = [base]
+    else:
+        infos = fs.get_file_info(pafs.FileSelector(base, recursive=True))
+        files = [i.path for i in infos if i.type == pafs.FileType.File]
+        if is_glob:
+            pattern = path.replace("**/", "*")
+            files = [f for f in files if fnmatch.fnmatch(f, pattern)]
+        # Installed packages sit under the stdlib directory but are not the stdlib.
+        files = [f for f in files if "site-packages" not in f and "__pycache__" not in f]
+    if not files:
+        raise FileNotFoundError(f"data.source: {source!r} matches no files")
+    kinds = {_kind(f) for f in files}
+    if len(kinds) > 1:
+        raise ValueError(f"data.source: {source!r} mixes file kinds {sorted(kinds)}; give one kind")
+    return fs, sorted(files), kinds.pop()
+
+
+def _kind(path: str) -> str:
+    if path.endswith(".parquet"):
+        return "parquet"
+    if path.endswith((".jsonl", ".json")):
+        return "jsonl"
+    return "text"
+
+
+def _read_documents(fs: pafs.FileSystem, files: list[str], kind: str, text_column: str):
+    """A Ray Dataset with one row per document and a single column ``text`` (bytes or str)."""
+    import ray.data
+
+    if kind == "text":
+        return ray.data.read_binary_files(files, filesystem=fs).rename_columns({"bytes": "text"})
+    if kind == "jsonl":
+        ds = ray.data.read_json(files, filesystem=fs, lines=True)
+    else:
+        ds = ray.data.read_parquet(files, filesystem=fs)
+    if text_column not in ds.columns():
+        raise ValueError(f"data.text_column: no column {text_column!r} in {files[0]}; columns: {ds.columns()}")
+    return ds.select_columns([text_column]).rename_columns({text_column: "text"})
+
+
+def _split_documents(batch: dict, val_fraction: float) -> dict:
+    """Per document: its content digest, its split, and its tokens followed by end-of-text."""
+    tokenizer = ByteTokenizer()
+    digests, splits, tokens = [], [], []
+    for text in batch["text"]:
+        data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        digest = hashlib.sha256(data).digest()
+        digests.append(digest)
+        # The first 8 digest bytes as a uniform number in [0, 1) choose the split.
+        splits.append("val" if int.from_bytes(digest[:8], "big") / 2**64 < val_fraction else "train")
+        tokens.append(np.append(tokenizer.encode(data), tokenizer.eot_id).astype(np.uint16).tobytes())
+    return {"digest": digests, "split": splits, "tokens": tokens}
+
+
+def _pack(batch: dict, seq_len: int) -> pa.Table:
+    """Concatenate the documents of a batch and cut them into rows of seq_len + 1 tokens."""
+    stream = np.frombuffer(b"".join(batch["tokens"]), dtype=np.uint16)
+    rows = len(stream) // (seq_len + 1)
+    flat = pa.array(stream[: rows * (seq_len + 1)], type=pa.uint16())
+    return pa.table({"tokens": pa.FixedSizeListArray.from_arrays(flat, seq_len + 1)})
+
+
+def prepare(source: str, out: str, seq_len: int, val_fraction: float = 0.02, text_column: str = "text") -> dict:
+    """Tokenize ``source`` into Parquet shards under ``out`` and return the manifest."""
+    import ray.data
+
+    ray.data.DataContext.get_current().execution_options.preserve_order = True  # reproducible shards
+    source = source or default_source()
+    fs, files, kind = list_source(source)
+    docs = (
+        _read_documents(fs, files, kind, text_column)
+        .map_batches(_split_documents, fn_kwargs={"val_fraction": val_fraction}, batch_format="numpy")
+        .materialize()
+    )
+    digests = sorted(bytes(d) for d in docs.select_columns(["digest"]).to_pandas()["digest"])
+    if storage.exists(out):
+        storage.delete_dir(out)  # a rerun replaces an incomplete or stale preparation whole
+    out_fs, out_path = storage.resolve(out)
+    manifest = {
+        "source": source,
+        "source_sha256": hashlib.sha256(b"".join(digests)).hexdigest(),
+        "documents": len(digests),
+        "tokenizer": ByteTokenizer().to_dict(),
+        "seq_len": seq_len,
+        "val_fraction": val_fraction,
+    }
+    for split in SPLITS:
+        packed = docs.filter(expr=f"split == '{split}'").map_batches(
+            _pack, fn_kwargs={"seq_len": seq_len}, batch_format="numpy"
+        )
+        packed.write_parquet(f"{out_path}/{split}", filesystem=out_fs)
+        shards = [f"{split}/{name}" for name in storage.list_dir(storage.join(out, split))]
+        sequences = sum(pq.read_metadata(f"{out_path}/{s}", filesystem=out_fs).num_rows for s in shards)
+        manifest[split] = {"shards": shards, "sequences": sequences}
+        if manifest[split]["sequences"] == 0:
+            raise ValueError(f"data.source: {source!r} gives no {split} sequence of {seq_len + 1} tokens")
+    storage.write_json(storage.join(out, MANIFEST), manifest)
+    return manifest
+
+
+def load_manifest(path: str) -> dict | None:
+    """The manifest of a prepared dataset, or None if ``path`` holds no complete preparation."""
+    uri = storage.join(path, MANIFEST)
+    return storage.read_json(uri) if storage.exists(uri) else None
+
+
+def load_split(path: str, split: str) -> np.ndarray:
+    """All sequences of a split as a (sequences, seq_len + 1) uint16 array, in manifest order."""
+    manifest = load_manifest(path)
+    if manifest is None:
+        raise FileNotFoundError(f"data.path: {path!r} has no {MANIFEST}; run `python -m train.data prepare`")
+    tokenizer_from_dict(manifest["tokenizer"])  # fail early on a dataset made by another tokenizer
+    fs, root = storage.resolve(path)
+    tables = [
+        pq.read_table(f"{root}/{shard}", filesystem=fs, columns=["tokens"]) for shard in manifest[split]["shards"]
+    ]
+    column = pa.concat_tables(tables).column("tokens").combine_chunks()
+    return column.flatten().to_numpy().reshape(-1, manifest["seq_len"] + 1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m train.data", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    prep = sub.add_parser("prepare", help="tokenize a corpus into Parquet shards")
+    prep.add_argument("--source", default="", help="file, directory or glob; local or URI (default: Python stdlib)")
+    prep.add_argument("--out", required=True, help="output directory (local or URI)")
+    prep.add_argument("--seq-len", type=int, default=256)
+    prep.add_argument("--val-fraction", type=float, default=0.02)
+    prep.add_argument("--text-column", default="text", help="column holding the text in JSONL/Parquet")
+    args = parser.parse_args(argv)
+    import ray
+
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    manifest = prepare(args.source, args.out, args.seq_len, args.val_fraction, args.text_column)
+    print(
+        f"prepared {manifest['train']['sequences']} train and {manifest['val']['sequences']} validation "
+        f"sequences of {args.seq_len + 1} tokens from {manifest['documents']} documents into {args.out}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""Driver side of a training run: Ray, the dataset, the TorchTrainer, and the run summary."""
+
+import hashlib
+import json
+import os
+import subprocess
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import ray
+from ray.train import FailureConfig
+from ray.train import RunConfig as RayRunConfig
+from ray.train import ScalingConfig as RayScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+
+from train import checkpoint, storage
+from train.config import TrainConfig
+from train.data import load_manifest, prepare
+from train.export import export_uri
+from train.loop import train_loop
+from train.metrics import MetricsRecorder, read_metrics
+
+# Ray Train's defaults make each report take over a second and recovery wait a minute;
+# these are the values measured to keep both short (see the README). The last two keep the
+# terminal to one progress line per report. Users may override any of them.
+RAY_TRAIN_ENV_DEFAULTS = {
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "30",
+    "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+    "RAY_TRAIN_ENABLE_WORKER_STRUCTURED_LOGGING": "0",
+}
+
+
+@dataclass
+class RunSummary:
+    run_dir: str
+    checkpoint: str | None
+    export: str
+    initial_val_loss: float | None
+    final_val_loss: float | None
+    steps: int
+
+
+def dataset_path(cfg: TrainConfig) -> str:
+    """``data.path``, or a directory under the storage path named by the preparation settings."""
+    if cfg.data.path:
+        return cfg.data.path
+    settings = json.dumps(
+        [cfg.data.source, cfg.data.text_column, cfg.data.val_fraction, cfg.data.tokenizer, cfg.model.seq_len]
+    )
+    return storage.join(cfg.run.storage_path, "datasets", hashlib.sha256(settings.encode()).hexdigest()[:12])
+
+
+def code_version() -> str:
+    """The git commit of this checkout (with ``-dirty`` if modified), else the package version."""
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(
+            ["git", "describe", "--always", "--dirty"], cwd=repo, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        return f"git:{rev}"
+    except (OSError, subprocess.CalledProcessError):
+        try:
+            return f"raywright {metadata.version('raywright')}"
+        except metadata.PackageNotFoundError:
+            return "unknown"
+
+
+def init_ray(cfg: TrainConfig) -> None:
+    if ray.is_initialized():
+        return
+    if not cfg.scaling.use_gpu:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # inherited by the workers of a local Ray
+    if cfg.run.ray_address:
+        ray.init(address=cfg.run.ray_address)
+    else:  # a private embedded Ray, never one that happens to run on this machine
+        ray.init(
+            address="local", num_cpus=max(os.cpu_count() or 1, cfg.scaling.max_workers * cfg.scaling.cpus_per_worker)
+        )
+
+
+def build_trainer(cfg: TrainConfig, data_path: str, manifest: dict) -> TorchTrainer:
+    for key, value in RAY_TRAIN_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)  # propagated by Ray Train to its controller and workers
+    run_uri = storage.join(cfg.run.storage_path, cfg.run.name)
+    scaling = cfg.scaling
+    num_workers = scaling.num_workers if isinstance(scaling.num_workers, int) else tuple(scaling.num_workers)
+    return TorchTrainer(
+        train_loop,
+        train_loop_config={
+            "config": cfg.to_dict(),
+            "run_uri": run_uri if "://" in run_uri else os.path.abspath(run_uri),
+            "data_path": data_path if "://" in data_path else os.path.abspath(data_path),
+            "provenance": {
+                "data_manifest_sha256": hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest(),
+                "data_source_sha256": manifest["source_sha256"],
+                "code_version": code_version(),
+            },
+        },
+        scaling_config=RayScalingConfig(
+            num_workers=num_workers,
+            use_gpu=scaling.use_gpu,
+            resources_per_worker={"CPU": scaling.cpus_per_worker, **scaling.resources_per_worker},
+        ),
+        run_config=RayRunConfig(
+            name=cfg.run.name,
+            storage_path=storage.resolve(cfg.run.storage_path)[1]
+            if storage.is_local(cfg.run.storage_path)
+            else cfg.run.storage_path,
+            failure_config=FailureConfig(max_failures=scaling.max_failures),
+            callbacks=[MetricsRecorder(local_run_dir(cfg))],
+        ),
+        torch_config=TorchConfig(backend="nccl" if scaling.use_gpu else "gloo"),
+    )
+
+
+def local_run_dir(cfg: TrainConfig) -> str:
+    """Where metrics files go: the run directory, or ./runs/<name> when storage is remote."""
+    base = cfg.run.storage_path if storage.is_local(cfg.run.storage_path) else "runs"
+    return os.path.join(os.path.abspath(os.path.expanduser(base)), cfg.run.name)
+
+
+def ensure_dataset(cfg: TrainConfig) -> tuple[str, dict]:
+    """The prepared dataset's path and manifest, preparing it first if it is missing or incomplete."""
+    path = dataset_path(cfg)
+    manifest = load_manifest(path)
+    if manifest is None:
+        print(f"preparing dataset from {cfg.data.source or 'the Python standard library'} into {path}", flush=True)
+        manifest = prepare(cfg.data.source, path, cfg.model.seq_len, cfg.data.val_fraction, cfg.data.text_column)
+    elif manifest["seq_len"] != cfg.model.seq_len:
+        raise ValueError(
+            f"data.path {path} holds sequences of {manifest['seq_len']} tokens, model.seq_len is {cfg.model.seq_len}"
+        )
+    return path, manifest
+
+
+def run_training(cfg: TrainConfig) -> RunSummary:
+    """Train ``cfg`` to completion (resuming the run of the same name if it exists)."""
+    init_ray(cfg)
+    data_path, manifest = ensure_dataset(cfg)
+    build_trainer(cfg, data_path, manifest).fit()
+    run_uri = storage.join(cfg.run.storage_path, cfg.run.name)
+    latest = checkpoint.latest_complete(run_uri)
+    val_losses = [m["val_loss"] for m in read_metrics(local_run_dir(cfg)) if "val_loss" in m]
+    return RunSummary(
+        run_dir=run_uri,
+        checkpoint=latest["uri"] if latest else None,
+        export=export_uri(run_uri),
+        initial_val_loss=val_losses[0] if val_losses else None,
+        final_val_loss=val_losses[-1] if val_losses else None,
+        steps=latest["step"] if latest else 0,
+    )

@@ -1,0 +1,173 @@
+"""The per-worker training loop that Ray Train runs: DeepSpeed engine, data, metrics, checkpoints."""
+
+import time
+from typing import Any
+
+import deepspeed
+import numpy as np
+import ray.train
+import torch
+import torch.distributed as dist
+
+from train import checkpoint
+from train.config import TrainConfig, config_from_dict
+from train.data import load_split
+from train.ds_config import build_ds_config
+from train.export import export_model, export_uri
+from train.loader import SampleOrder, micro_batch_samples
+from train.metrics import format_progress, memory_gb, peak_tflops
+from train.model import GPT, flops_per_token
+from train.schedule import lr_at
+from train.tokenizer import ByteTokenizer
+
+
+def _to_batch(rows: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.from_numpy(rows.astype(np.int64)).to(device)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _mean_over_ranks(total: float, count: float, device: torch.device) -> float:
+    pair = torch.tensor([total, count], dtype=torch.float64, device=device)
+    dist.all_reduce(pair)
+    return (pair[0] / pair[1]).item()
+
+
+@torch.no_grad()
+def evaluate(engine, val_rows: np.ndarray, micro_batch: int) -> float:
+    """Mean validation loss. Every rank runs the same number of forward passes (ZeRO-3 needs that)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_rank = len(val_rows) // world // micro_batch * micro_batch
+    if per_rank == 0:
+        raise ValueError(f"run.eval_samples must be >= optim.micro_batch_size x {world} workers")
+    mine = val_rows[rank * per_rank : (rank + 1) * per_rank]
+    engine.eval()
+    total = 0.0
+    for start in range(0, per_rank, micro_batch):
+        _, loss = engine(*_to_batch(mine[start : start + micro_batch], engine.device))
+        total += loss.item() * micro_batch
+    engine.train()
+    return _mean_over_ranks(total, per_rank, engine.device)
+
+
+def _report(metrics: dict[str, Any], max_steps: int) -> None:
+    """Print a progress line from rank 0 and report to Ray Train (every rank reports, in step)."""
+    if dist.get_rank() == 0:
+        print(format_progress(metrics, max_steps), flush=True)
+    ray.train.report(metrics)
+
+
+def _checkpoint_due(cfg: TrainConfig, step: int, last_save: float, device: torch.device) -> bool:
+    due = cfg.checkpoint.every_steps > 0 and step % cfg.checkpoint.every_steps == 0
+    if cfg.checkpoint.every_minutes > 0:
+        # Rank 0's clock decides, so that every rank takes part in the same collective save.
+        flag = torch.tensor([float(time.time() - last_save >= 60 * cfg.checkpoint.every_minutes)], device=device)
+        dist.broadcast(flag, src=0)
+        due = due or bool(flag.item())
+    return due
+
+
+def train_loop(args: dict[str, Any]) -> None:
+    """Ray Train worker entry point. ``args``: config (dict), run_uri, data_path, provenance."""
+    cfg = config_from_dict(args["config"])
+    run_uri = args["run_uri"]
+    optim = cfg.optim
+    torch.set_num_threads(cfg.scaling.cpus_per_worker)
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    train_rows = load_split(args["data_path"], "train")
+    val_rows = load_split(args["data_path"], "val")[: cfg.run.eval_samples]
+    order = SampleOrder(len(train_rows), cfg.run.seed)
+
+    torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
+    model = GPT(cfg.model)
+    ds_config = build_ds_config(cfg, world)
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=ds_config, dist_init_required=False
+    )
+    grad_accum = ds_config["gradient_accumulation_steps"]
+
+    step = 0
+    latest = checkpoint.latest_complete(run_uri)
+    if latest is not None:
+        if latest["world_size"] != world:
+            raise RuntimeError(
+                f"checkpoint {latest['uri']} was saved by {latest['world_size']} workers, this run has {world}; "
+                "restoring at another world size is not supported yet"
+            )
+        checkpoint.load(engine, latest)
+        step = latest["step"]
+        if rank == 0:
+            print(f"resumed from {latest['uri']} at step {step}", flush=True)
+    else:
+        val_loss = evaluate(engine, val_rows, optim.micro_batch_size)
+        _report({"step": 0, "val_loss": val_loss, "val_perplexity": float(np.exp(val_loss))}, optim.max_steps)
+
+    peak = peak_tflops(cfg.run.peak_tflops)
+    tokens_per_step = optim.global_batch_size * cfg.model.seq_len
+    metadata = {
+        "world_size": world,
+        "global_batch_size": optim.global_batch_size,
+        "config": cfg.to_dict(),
+        "tokenizer": ByteTokenizer().to_dict(),
+        "data_manifest_sha256": args["provenance"]["data_manifest_sha256"],
+    }
+    last_save = time.time()
+    window_loss, window_steps, window_time = 0.0, 0, 0.0  # since the last loss report
+    while step < optim.max_steps:
+        step_start = time.time()
+        for group in engine.optimizer.param_groups:
+            group["lr"] = lr_at(step, optim)
+        for micro_step in range(grad_accum):
+            samples = micro_batch_samples(
+                step, micro_step, rank, world, optim.global_batch_size, optim.micro_batch_size
+            )
+            # Dropout masks depend on (seed, step, rank) only, so a resumed run draws the same ones.
+            torch.manual_seed(hash((cfg.run.seed, step, micro_step, rank)) % 2**63)
+            _, loss = engine(*_to_batch(train_rows[order.rows(samples)], engine.device))
+            engine.backward(loss)
+            engine.step()
+            window_loss += loss.item() / grad_accum
+        step += 1
+        window_steps += 1
+        window_time += time.time() - step_start
+
+        metrics: dict[str, Any] = {}
+        if step % cfg.run.log_every == 0 or step == optim.max_steps:
+            tokens_per_s = tokens_per_step * window_steps / window_time
+            metrics = {
+                "step": step,
+                "loss": _mean_over_ranks(window_loss, window_steps, engine.device),
+                "lr": lr_at(step - 1, optim),
+                "tokens_per_s": tokens_per_s,
+                "step_time_s": window_time / window_steps,
+                "mfu": flops_per_token(cfg.model) * tokens_per_s / (peak * 1e12 * world) if peak else None,
+                "memory_gb": memory_gb(),
+                "samples_seen": step * optim.global_batch_size,
+            }
+        if step % cfg.run.eval_every == 0 or step == optim.max_steps:
+            val_loss = evaluate(engine, val_rows, optim.micro_batch_size)
+            metrics.update(step=step, val_loss=val_loss, val_perplexity=float(np.exp(val_loss)))
+        if _checkpoint_due(cfg, step, last_save, engine.device) or step == optim.max_steps:
+            uri = checkpoint.save(
+                engine,
+                run_uri,
+                step,
+                {**metadata, "samples_seen": step * optim.global_batch_size},
+                cfg.checkpoint.keep_last,
+            )
+            last_save = time.time()
+            metrics.update(step=step, checkpoint=uri)
+        if "loss" in metrics:
+            window_loss, window_steps, window_time = 0.0, 0, 0.0
+        if metrics:
+            _report(metrics, optim.max_steps)
+
+    export_model(
+        engine,
+        cfg.model,
+        export_uri(run_uri),
+        {
+            "tokenizer": ByteTokenizer().to_dict(),
+            "provenance": {**args["provenance"], "step": step, "config": cfg.to_dict()},
+        },
+    )

@@ -1,0 +1,126 @@
+"""A GPT-style decoder, readable top to bottom.
+
+Pre-norm transformer blocks, causal self-attention through PyTorch's fused
+``scaled_dot_product_attention``, and an output projection tied to the token
+embedding. The same class is trained by ``train/`` and served by ``serve/``.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 257  # byte-level: 256 byte values + end-of-text
+    seq_len: int = 256  # context length in tokens
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 256
+    dropout: float = 0.0
+
+    def validate(self) -> None:
+        if self.d_model % self.n_head:
+            raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head})")
+        for key in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"model.{key} must be >= 1, got {getattr(self, key)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        q, k, v = self.qkv(x).split(dim, dim=2)
+        # (batch, seq, dim) -> (batch, head, seq, head_dim)
+        q, k, v = (t.view(batch, seq, self.n_head, dim // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.up = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.down = nn.Linear(4 * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln_attn = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_mlp = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln_attn(x)))
+        return x + self.drop(self.mlp(self.ln_mlp(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_out = nn.LayerNorm(cfg.d_model)
+        self.apply(self._init_weights)
+        # GPT-2's scaled init of the projections that write into the residual stream.
+        for name, param in self.named_parameters():
+            if name.endswith(("attn.proj.weight", "mlp.down.weight")):
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
+        """Logits for ``tokens`` (batch, seq); with ``targets``, also the mean cross-entropy."""
+        seq = tokens.shape[1]
+        if seq > self.cfg.seq_len:
+            raise ValueError(f"sequence of {seq} tokens exceeds the context length {self.cfg.seq_len}")
+        positions = torch.arange(seq, device=tokens.device)
+        x = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
+        for block in self.blocks:
+            x = block(x)
+        # The output projection reuses the embedding matrix (tied weights).
+        logits = F.linear(self.ln_out(x), self.tok_emb.weight)
+        if targets is None:
+            return logits
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
+        return logits, loss
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def flops_per_token(cfg: ModelConfig) -> float:
+    """Training FLOPs per token: 6 per weight (forward + backward) plus attention scores.
+
+    The PaLM paper's estimate (appendix B): 6N + 12 * n_layer * d_model * seq_len.
+    """
+    weights = cfg.n_layer * 12 * cfg.d_model**2 + cfg.vocab_size * cfg.d_model
+    return 6 * weights + 12 * cfg.n_layer * cfg.d_model * cfg.seq_len

@@ -1,0 +1,72 @@
+"""Local paths and object-storage URIs behind one interface (pyarrow filesystems)."""
+
+import json
+import os
+from typing import Any
+
+import pyarrow.fs as pafs
+
+
+def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
+    """The filesystem and the path within it for a local path or a URI (s3://, gs://, file://)."""
+    if "://" in uri:
+        return pafs.FileSystem.from_uri(uri)
+    return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri))
+
+
+def is_local(uri: str) -> bool:
+    return isinstance(resolve(uri)[0], pafs.LocalFileSystem)
+
+
+def join(uri: str, *parts: str) -> str:
+    return "/".join([uri.rstrip("/"), *parts])
+
+
+def exists(uri: str) -> bool:
+    fs, path = resolve(uri)
+    return fs.get_file_info(path).type != pafs.FileType.NotFound
+
+
+def list_dir(uri: str) -> list[str]:
+    """Names of the entries directly inside ``uri`` (empty if it does not exist)."""
+    fs, path = resolve(uri)
+    infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    return sorted(info.base_name for info in infos)
+
+
+def write_bytes(uri: str, data: bytes) -> None:
+    """Write a whole file. Locally via a temporary name and a rename, so readers never see half of it."""
+    fs, path = resolve(uri)
+    fs.create_dir(os.path.dirname(path), recursive=True)
+    staging = path + ".tmp" if isinstance(fs, pafs.LocalFileSystem) else path
+    with fs.open_output_stream(staging) as f:
+        f.write(data)
+    if staging != path:
+        fs.move(staging, path)
+
+
+def read_bytes(uri: str) -> bytes:
+    fs, path = resolve(uri)
+    with fs.open_input_stream(path) as f:
+        return f.read()
+
+
+def write_json(uri: str, value: Any) -> None:
+    write_bytes(uri, json.dumps(value, indent=2, sort_keys=True).encode())
+
+
+def read_json(uri: str) -> Any:
+    return json.loads(read_bytes(uri))
+
+
+def copy_dir(src: str, dst: str) -> None:
+    """Copy every file under ``src`` into ``dst`` (merging with what is there)."""
+    src_fs, src_path = resolve(src)
+    dst_fs, dst_path = resolve(dst)
+    dst_fs.create_dir(dst_path, recursive=True)
+    pafs.copy_files(src_path, dst_path, source_filesystem=src_fs, destination_filesystem=dst_fs)
+
+
+def delete_dir(uri: str) -> None:
+    fs, path = resolve(uri)
+    fs.delete_dir(path)
