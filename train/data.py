@@ -76,7 +76,7 @@ def _read_documents(fs: pafs.FileSystem, files: list[str], kind: str, text_colum
     if kind == "text":
         return ray.data.read_binary_files(files, filesystem=fs).rename_columns({"bytes": "text"})
     if kind == "jsonl":
-        ds = ray.data.read_json(files, filesystem=fs, lines=True)
+        ds = ray.data.read_json(files, filesystem=fs)  # pyarrow's reader takes one JSON object per line
     else:
         ds = ray.data.read_parquet(files, filesystem=fs)
     if text_column not in ds.columns():
@@ -109,6 +109,7 @@ def _pack(batch: dict, seq_len: int) -> pa.Table:
 def prepare(source: str, out: str, seq_len: int, val_fraction: float = 0.02, text_column: str = "text") -> dict:
     """Tokenize ``source`` into Parquet shards under ``out`` and return the manifest."""
     import ray.data
+    from ray.data.expressions import col
 
     ray.data.DataContext.get_current().execution_options.preserve_order = True  # reproducible shards
     source = source or default_source()
@@ -131,7 +132,7 @@ def prepare(source: str, out: str, seq_len: int, val_fraction: float = 0.02, tex
         "val_fraction": val_fraction,
     }
     for split in SPLITS:
-        packed = docs.filter(expr=f"split == '{split}'").map_batches(
+        packed = docs.filter(expr=col("split") == split).map_batches(
             _pack, fn_kwargs={"seq_len": seq_len}, batch_format="numpy"
         )
         packed.write_parquet(f"{out_path}/{split}", filesystem=out_fs)

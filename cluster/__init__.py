@@ -1,0 +1,1 @@
+"""raywright cluster: the launcher config, its local twin and the job CLI."""

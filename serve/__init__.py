@@ -1,0 +1,1 @@
+"""raywright serve: the trained model behind an HTTP endpoint."""

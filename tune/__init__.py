@@ -1,0 +1,1 @@
+"""raywright tune: Optuna + ASHA sweeps of the training job."""
