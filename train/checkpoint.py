@@ -11,6 +11,8 @@ import hashlib
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Any
@@ -24,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
 METADATA = "metadata.json"
+UNIVERSAL = "universal"
 
 
 def checkpoint_uri(run_uri: str, step: int) -> str:
@@ -88,20 +91,71 @@ def _prune(run_uri: str, keep_last: int) -> None:
         storage.delete_dir(uri)
 
 
-def load(engine, checkpoint: dict[str, Any]) -> None:
-    """Load model and optimizer state on every rank (a collective call)."""
-    uri = checkpoint["uri"]
-    tag = os.path.basename(uri)
+def _local_dir(uri: str) -> str:
+    """A local directory holding the checkpoint at ``uri``: itself, or a per-node download (a collective)."""
     if storage.is_local(uri):
-        local_root = os.path.dirname(storage.resolve(uri)[1])
-    else:  # one download per node, by its first local rank
-        local_root = os.path.join(
-            tempfile.gettempdir(), "raywright-ckpt", hashlib.sha256(uri.encode()).hexdigest()[:16]
-        )
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            shutil.rmtree(local_root, ignore_errors=True)
-            storage.copy_dir(uri, os.path.join(local_root, tag))
-        dist.barrier()
-    load_path, _ = engine.load_checkpoint(local_root, tag=tag, load_lr_scheduler_states=False)
+        return storage.resolve(uri)[1]
+    local = os.path.join(tempfile.gettempdir(), "raywright-ckpt", hashlib.sha256(uri.encode()).hexdigest()[:16])
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one download per node
+        shutil.rmtree(local, ignore_errors=True)
+        storage.copy_dir(uri, local)
+    dist.barrier()
+    return local
+
+
+def needs_universal(checkpoint: dict[str, Any], world_size: int) -> bool:
+    """DeepSpeed refuses a sharded checkpoint from another data-parallel size; universal format does not."""
+    return checkpoint["world_size"] != world_size
+
+
+def convert_to_universal(checkpoint: dict[str, Any]) -> None:
+    """Rank 0 converts the checkpoint to DeepSpeed's universal format, once; the others wait.
+
+    The result lives inside the checkpoint (``<ckpt>/universal/``), so it is pruned with it,
+    and counts only once ``universal/done.json`` is written.
+    """
+    uri = checkpoint["uri"]
+    done = storage.join(uri, UNIVERSAL, "done.json")
+    if dist.get_rank() == 0 and not storage.exists(done):
+        started = time.time()
+        stage = checkpoint["config"]["deepspeed"]["zero_stage"]
+        with tempfile.TemporaryDirectory(prefix="raywright-universal-") as scratch:
+            source = storage.resolve(uri)[1] if storage.is_local(uri) else os.path.join(scratch, "source")
+            if not storage.is_local(uri):
+                storage.copy_dir(uri, source)
+            output = os.path.join(scratch, UNIVERSAL)
+            command = [
+                sys.executable,
+                "-m",
+                "deepspeed.checkpoint.ds_to_universal",
+                "--input_folder",
+                source,
+                "--output_folder",
+                output,
+                "--num_extract_workers",
+                "1",
+            ]
+            if stage < 3:  # ZeRO-1/2 checkpoints lack state the converter expects
+                command.append("--inject_missing_state")
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"converting {uri} to universal format failed:\n{result.stderr[-3000:]}")
+            if storage.exists(storage.join(uri, UNIVERSAL)):
+                storage.delete_dir(storage.join(uri, UNIVERSAL))  # a conversion cut short earlier
+            storage.copy_dir(output, storage.join(uri, UNIVERSAL))
+        storage.write_json(done, {"seconds": time.time() - started})
+        logger.info("converted %s to universal format in %.1f s", uri, time.time() - started)
+    dist.barrier()
+
+
+def load(engine, checkpoint: dict[str, Any], universal: bool) -> None:
+    """Load model and optimizer state on every rank (a collective call).
+
+    ``universal``: load the universal conversion (the engine must have been built with
+    ``load_universal``); this restores model and optimizer state at any world size.
+    """
+    local = _local_dir(checkpoint["uri"])
+    load_dir, tag = (local, UNIVERSAL) if universal else (os.path.dirname(local), os.path.basename(local))
+    load_path, _ = engine.load_checkpoint(load_dir, tag=tag, load_lr_scheduler_states=False)
     if load_path is None:
-        raise RuntimeError(f"DeepSpeed could not load checkpoint {uri}")
+        raise RuntimeError(f"DeepSpeed could not load checkpoint {checkpoint['uri']}")

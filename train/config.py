@@ -85,7 +85,10 @@ class ScalingConfig:
     use_gpu: bool = False
     cpus_per_worker: int = 1  # also the torch thread count of each worker
     resources_per_worker: dict[str, float] = field(default_factory=dict)  # e.g. {"spot": 0.01}
-    max_failures: int = 3  # real failures tolerated before the run stops
+    max_failures: int = 3  # real failures tolerated before the run stops; pre-emptions are unlimited
+    resize_check_interval_s: float = 60.0  # how often Ray Train looks for capacity to grow into
+    worker_start_timeout_s: float = 30.0  # how long a restart waits for the old size before shrinking
+    health_check_interval_s: float = 0.5  # Ray Train's controller poll; its 2 s default slows reports
 
     @property
     def min_workers(self) -> int:
@@ -104,6 +107,9 @@ class ScalingConfig:
             )
         if self.min_workers < 1 or self.cpus_per_worker < 1 or self.max_failures < 0:
             raise ValueError("scaling.num_workers and scaling.cpus_per_worker must be >= 1, max_failures >= 0")
+        for key in ("resize_check_interval_s", "worker_start_timeout_s", "health_check_interval_s"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"scaling.{key} must be > 0, got {getattr(self, key)}")
 
 
 @dataclass
@@ -129,6 +135,7 @@ class RunConfig:
     eval_samples: int = 256  # validation sequences per pass
     peak_tflops: float = 0.0  # per-device peak for MFU; 0 = known GPU peak, none on CPU
     ray_address: str = ""  # "" = start a local embedded Ray
+    sample_log: bool = False  # log the dataset rows each step trained on, to <run>/samples.jsonl
 
     def validate(self) -> None:
         if not self.name or "/" in self.name:
@@ -136,6 +143,18 @@ class RunConfig:
         for key in ("log_every", "eval_every", "eval_samples"):
             if getattr(self, key) < 1:
                 raise ValueError(f"run.{key} must be >= 1, got {getattr(self, key)}")
+
+
+@dataclass
+class CostConfig:
+    price_per_hour: dict[str, float] = field(default_factory=dict)  # node type -> price, e.g. {spot: 1.1}
+    on_demand_type: str = "ondemand"  # the type whose price prices "on-demand only"
+
+    def validate(self) -> None:
+        if any(price < 0 for price in self.price_per_hour.values()):
+            raise ValueError(f"cost.price_per_hour must be >= 0, got {self.price_per_hour}")
+        if self.price_per_hour and self.on_demand_type not in self.price_per_hour:
+            raise ValueError(f"cost.on_demand_type {self.on_demand_type!r} has no price in cost.price_per_hour")
 
 
 @dataclass
@@ -147,6 +166,7 @@ class TrainConfig:
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    cost: CostConfig = field(default_factory=CostConfig)
 
     def validate(self) -> None:
         for section in dataclasses.fields(self):

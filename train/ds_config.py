@@ -7,9 +7,10 @@ from train.batching import grad_accum_steps
 from train.config import TrainConfig
 
 
-def build_ds_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
+def build_ds_config(cfg: TrainConfig, world_size: int, load_universal: bool = False) -> dict[str, Any]:
     """The DeepSpeed config for ``world_size`` workers, with ``deepspeed.config_file`` merged over it.
 
+    ``load_universal``: the engine will restore a universal checkpoint (from another world size).
     The learning rate here is only the initial value: the training loop sets it every step
     from the schedule, so the schedule has no state to save or restore.
     """
@@ -40,6 +41,8 @@ def build_ds_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": cfg.scaling.use_gpu}
     if ds.offload_params:
         config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": cfg.scaling.use_gpu}
+    if load_universal:
+        config["checkpoint"] = {"load_universal": True}
     if ds.config_file:
         with open(ds.config_file) as f:
             config = merge(config, json.load(f))

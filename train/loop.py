@@ -1,10 +1,18 @@
-"""The per-worker training loop that Ray Train runs: DeepSpeed engine, data, metrics, checkpoints."""
+"""The per-worker training loop that Ray Train runs: DeepSpeed engine, data, metrics, checkpoints.
 
+Each (re)start of the worker group runs this function from the top: it restores the newest
+complete checkpoint (converting it if the world size changed), then trains optimizer steps
+``[restored step, max_steps)`` on the samples that those steps own, whatever the world size.
+"""
+
+import json
+import os
 import time
 from typing import Any
 
 import deepspeed
 import numpy as np
+import ray
 import ray.train
 import torch
 import torch.distributed as dist
@@ -51,56 +59,83 @@ def evaluate(engine, val_rows: np.ndarray, micro_batch: int) -> float:
 
 def _report(metrics: dict[str, Any], max_steps: int) -> None:
     """Print a progress line from rank 0 and report to Ray Train (every rank reports, in step)."""
+    metrics["time"] = time.time()
     if dist.get_rank() == 0:
         print(format_progress(metrics, max_steps), flush=True)
     ray.train.report(metrics)
 
 
-def _checkpoint_due(cfg: TrainConfig, step: int, last_save: float, device: torch.device) -> bool:
-    due = cfg.checkpoint.every_steps > 0 and step % cfg.checkpoint.every_steps == 0
+def _checkpoint_reason(cfg: TrainConfig, step: int, last_save: float, jit: bool, device: torch.device) -> str:
+    """Why to checkpoint after ``step`` ("" for no checkpoint); the same answer on every rank."""
+    if jit:
+        return "preemption"
+    if step == cfg.optim.max_steps:
+        return "final"
+    if cfg.checkpoint.every_steps > 0 and step % cfg.checkpoint.every_steps == 0:
+        return "steps"
     if cfg.checkpoint.every_minutes > 0:
         # Rank 0's clock decides, so that every rank takes part in the same collective save.
         flag = torch.tensor([float(time.time() - last_save >= 60 * cfg.checkpoint.every_minutes)], device=device)
         dist.broadcast(flag, src=0)
-        due = due or bool(flag.item())
-    return due
+        if flag.item():
+            return "minutes"
+    return ""
+
+
+def _log_samples(path: str, step: int, my_rows: np.ndarray, device: torch.device) -> None:
+    """Append the dataset rows every rank trained on in ``step`` to the sample log (rank 0 writes)."""
+    mine = torch.from_numpy(my_rows.astype(np.int64)).to(device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    if dist.get_rank() == 0:
+        rows = torch.cat(gathered).tolist()
+        with open(path, "a") as f:
+            f.write(json.dumps({"step": step, "world_size": len(gathered), "rows": rows}) + "\n")
 
 
 def train_loop(args: dict[str, Any]) -> None:
-    """Ray Train worker entry point. ``args``: config (dict), run_uri, data_path, provenance."""
+    """Ray Train worker entry point.
+
+    ``args``: config (dict), run_uri, data_path, local_run_dir, provenance, timeline (actor name or None).
+    """
     cfg = config_from_dict(args["config"])
     run_uri = args["run_uri"]
     optim = cfg.optim
     torch.set_num_threads(cfg.scaling.cpus_per_worker)
     rank, world = dist.get_rank(), dist.get_world_size()
+    timeline = ray.get_actor(args["timeline"]) if args.get("timeline") and rank == 0 else None
 
     train_rows = load_split(args["data_path"], "train")
     val_rows = load_split(args["data_path"], "val")[: cfg.run.eval_samples]
     order = SampleOrder(len(train_rows), cfg.run.seed)
 
+    latest = checkpoint.latest_complete(run_uri)
+    universal = latest is not None and checkpoint.needs_universal(latest, world)
+    if universal:
+        checkpoint.convert_to_universal(latest)
+
     torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
     model = GPT(cfg.model)
-    ds_config = build_ds_config(cfg, world)
+    ds_config = build_ds_config(cfg, world, load_universal=universal)
     engine, *_ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=ds_config, dist_init_required=False
     )
     grad_accum = ds_config["gradient_accumulation_steps"]
 
     step = 0
-    latest = checkpoint.latest_complete(run_uri)
     if latest is not None:
-        if latest["world_size"] != world:
-            raise RuntimeError(
-                f"checkpoint {latest['uri']} was saved by {latest['world_size']} workers, this run has {world}; "
-                "restoring at another world size is not supported yet"
-            )
-        checkpoint.load(engine, latest)
+        checkpoint.load(engine, latest, universal)
         step = latest["step"]
         if rank == 0:
-            print(f"resumed from {latest['uri']} at step {step}", flush=True)
+            via = f", converted from {latest['world_size']} workers" if universal else ""
+            print(f"resumed from {latest['uri']} at step {step} on {world} workers{via}", flush=True)
     else:
         val_loss = evaluate(engine, val_rows, optim.micro_batch_size)
         _report({"step": 0, "val_loss": val_loss, "val_perplexity": float(np.exp(val_loss))}, optim.max_steps)
+    node_ids = [None] * world
+    dist.all_gather_object(node_ids, ray.get_runtime_context().get_node_id())
+    if timeline:
+        timeline.attempt_started.remote(world, node_ids, step)
 
     peak = peak_tflops(cfg.run.peak_tflops)
     tokens_per_step = optim.global_batch_size * cfg.model.seq_len
@@ -111,28 +146,39 @@ def train_loop(args: dict[str, Any]) -> None:
         "tokenizer": ByteTokenizer().to_dict(),
         "data_manifest_sha256": args["provenance"]["data_manifest_sha256"],
     }
+    sample_log = os.path.join(args["local_run_dir"], "samples.jsonl") if cfg.run.sample_log else None
+    first_step = step + 1
+    preemption_seen = False
     last_save = time.time()
     window_loss, window_steps, window_time = 0.0, 0, 0.0  # since the last loss report
     while step < optim.max_steps:
         step_start = time.time()
         for group in engine.optimizer.param_groups:
             group["lr"] = lr_at(step, optim)
+        my_rows = []
         for micro_step in range(grad_accum):
             samples = micro_batch_samples(
                 step, micro_step, rank, world, optim.global_batch_size, optim.micro_batch_size
             )
+            rows = order.rows(samples)
+            my_rows.append(rows)
             # Dropout masks depend on (seed, step, rank) only, so a resumed run draws the same ones.
             torch.manual_seed(hash((cfg.run.seed, step, micro_step, rank)) % 2**63)
-            _, loss = engine(*_to_batch(train_rows[order.rows(samples)], engine.device))
+            _, loss = engine(*_to_batch(train_rows[rows], engine.device))
             engine.backward(loss)
             engine.step()
             window_loss += loss.item() / grad_accum
         step += 1
         window_steps += 1
-        window_time += time.time() - step_start
+        step_seconds = time.time() - step_start
+        window_time += step_seconds
+        if timeline:
+            timeline.step_done.remote(step, step_seconds, time.time())
+        if sample_log:
+            _log_samples(sample_log, step, np.concatenate(my_rows), engine.device)
 
         metrics: dict[str, Any] = {}
-        if step % cfg.run.log_every == 0 or step == optim.max_steps:
+        if step % cfg.run.log_every == 0 or step == optim.max_steps or step == first_step:
             tokens_per_s = tokens_per_step * window_steps / window_time
             metrics = {
                 "step": step,
@@ -143,22 +189,39 @@ def train_loop(args: dict[str, Any]) -> None:
                 "mfu": flops_per_token(cfg.model) * tokens_per_s / (peak * 1e12 * world) if peak else None,
                 "memory_gb": memory_gb(),
                 "samples_seen": step * optim.global_batch_size,
+                "world_size": world,
             }
+            window_loss, window_steps, window_time = 0.0, 0, 0.0
+        resize = ray.get(timeline.latest_resize.remote()) if step == first_step and timeline else None
+        if resize:
+            print(
+                f"resize {resize['from']} -> {resize['to']} workers ({resize['reason']}): "
+                f"{resize.get('seconds_lost', 0.0):.1f} s lost, {resize['steps_redone']} steps redone",
+                flush=True,
+            )
+            metrics.update({f"resize_{key}": value for key, value in resize.items()})
         if step % cfg.run.eval_every == 0 or step == optim.max_steps:
             val_loss = evaluate(engine, val_rows, optim.micro_batch_size)
             metrics.update(step=step, val_loss=val_loss, val_perplexity=float(np.exp(val_loss)))
-        if _checkpoint_due(cfg, step, last_save, engine.device) or step == optim.max_steps:
+
+        # A draining node (spot pre-emption) gets one just-in-time checkpoint before its deadline.
+        jit = not preemption_seen and ray.train.get_preemption_info() is not None
+        preemption_seen = preemption_seen or jit
+        reason = _checkpoint_reason(cfg, step, last_save, jit, engine.device)
+        if reason:
             uri = checkpoint.save(
                 engine,
                 run_uri,
                 step,
-                {**metadata, "samples_seen": step * optim.global_batch_size},
+                {**metadata, "samples_seen": step * optim.global_batch_size, "reason": reason},
                 cfg.checkpoint.keep_last,
             )
             last_save = time.time()
             metrics.update(step=step, checkpoint=uri)
-        if "loss" in metrics:
-            window_loss, window_steps, window_time = 0.0, 0, 0.0
+            if timeline:
+                timeline.checkpoint_saved.remote(step, reason)
+                if jit:
+                    timeline.preemption_notice.remote()
         if metrics:
             _report(metrics, optim.max_steps)
 

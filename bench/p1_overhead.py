@@ -1,0 +1,92 @@
+"""P1: raywright's step time (1 worker, ZeRO-0) / a bare PyTorch loop, same model, batch, dtype, threads.
+
+    python bench/p1_overhead.py [--steps 60] [--set model.d_model=256 ...]
+
+Both train the same GPT on the same prepared data with one thread, fp32, the recipe's
+global and micro batch (gradient accumulation included) and gradient clipping. The bare loop
+runs before and after raywright and is averaged. raywright's time per step comes from the
+wall-clock stamps of its own reports between the first and the last training report, so it
+includes everything the loop does per step (sample order, reports, metrics), not start-up.
+The machine is shared and noisy: rounds alternate bare, raywright, bare, ... and P1 is the
+median over rounds of raywright / the mean of the bare runs around it.
+"""
+
+import argparse
+import json
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from train.config import load_config
+from train.data import load_split
+from train.launch import ensure_dataset, init_ray, local_run_dir, run_training
+from train.metrics import read_metrics
+from train.model import GPT
+from train.schedule import lr_at
+
+
+def bare_loop_step_time(cfg, rows: np.ndarray, steps: int) -> float:
+    torch.set_num_threads(1)
+    torch.manual_seed(cfg.run.seed)
+    model = GPT(cfg.model)
+    o = cfg.optim
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    accum = o.global_batch_size // o.micro_batch_size
+    tokens = torch.from_numpy(rows[: o.global_batch_size].astype(np.int64))
+    start = time.perf_counter()
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, o)
+        for k in range(accum):
+            batch = tokens[k * o.micro_batch_size : (k + 1) * o.micro_batch_size]
+            _, loss = model(batch[:, :-1], batch[:, 1:])
+            (loss / accum).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()
+    return (time.perf_counter() - start) / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--set", action="append", default=[])
+    args = parser.parse_args()
+    overrides = [
+        "scaling.num_workers=1", "scaling.cpus_per_worker=1", "deepspeed.zero_stage=0", "deepspeed.precision=fp32",
+        f"optim.max_steps={args.steps}", "run.log_every=10", f"run.eval_every={args.steps}",
+        "checkpoint.every_steps=0", f"run.storage_path={tempfile.mkdtemp(prefix='rw-p1-')}", "run.name=p1",
+        *args.set,
+    ]
+    cfg = load_config("tiny", overrides)
+    init_ray(cfg)
+    data_path, _ = ensure_dataset(cfg)
+    rows = load_split(data_path, "train")
+
+    bare = [bare_loop_step_time(cfg, rows, args.steps)]
+    raywright = []
+    for round_index in range(args.rounds):
+        cfg.run.name = f"p1-{round_index}"
+        run_training(cfg)
+        reports = [m for m in read_metrics(local_run_dir(cfg)) if "loss" in m][:-1]  # the last includes the save
+        raywright.append((reports[-1]["time"] - reports[0]["time"]) / (reports[-1]["step"] - reports[0]["step"]))
+        bare.append(bare_loop_step_time(cfg, rows, args.steps))
+    ratios = [r / ((bare[i] + bare[i + 1]) / 2) for i, r in enumerate(raywright)]
+    result = {
+        "P1": float(np.median(ratios)),
+        "ratios": ratios,
+        "raywright_step_s": raywright,
+        "bare_step_s": bare,
+        "model": vars(cfg.model),
+        "global_batch": cfg.optim.global_batch_size,
+        "micro_batch": cfg.optim.micro_batch_size,
+    }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""P2: per-worker bytes of parameters + gradients + optimizer state, ZeRO-3 / ZeRO-0, 2 workers.
+
+    python bench/p2_zero_memory.py [--set model.d_model=512 ...]
+
+Each worker builds the raywright engine for the stage, takes one optimizer step (so that
+gradients and Adam moments exist) and counts the bytes of every distinct tensor storage held
+by the model's parameters (and their ZeRO-3 partitions), their gradients, and the DeepSpeed
+optimizer (master weights, moments, flat gradient partitions, buffers). The figure is the
+largest count over the workers. Ideal P2 at 2 workers: 0.50.
+"""
+
+import argparse
+import json
+
+import deepspeed
+import ray
+import ray.train
+import torch
+import torch.distributed as dist
+from ray.train import ScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+
+from train.config import config_from_dict, load_config
+from train.ds_config import build_ds_config
+from train.model import GPT
+
+
+def held_tensor_bytes(*roots) -> int:
+    """Bytes of the distinct storages reachable from ``roots`` through containers and DeepSpeed/optim objects."""
+    storages, visited, total = set(), set(), 0
+    stack = list(roots)
+    while stack:
+        obj = stack.pop()
+        if id(obj) in visited:
+            continue
+        visited.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            if storage.data_ptr() and storage.data_ptr() not in storages:
+                storages.add(storage.data_ptr())
+                total += storage.nbytes()
+            stack += [t for t in (obj.grad, getattr(obj, "ds_tensor", None)) if t is not None]
+        elif isinstance(obj, dict):
+            stack += [*obj.keys(), *obj.values()]
+        elif isinstance(obj, (list, tuple, set)):
+            stack += list(obj)
+        elif type(obj).__module__.startswith(("deepspeed.runtime", "torch.optim", "deepspeed.ops")):
+            stack += list(vars(obj).values())
+    return total
+
+
+def measure(args: dict) -> None:
+    cfg = config_from_dict(args["config"])
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config=build_ds_config(cfg, dist.get_world_size()),
+        dist_init_required=False,
+    )
+    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.optim.micro_batch_size, cfg.model.seq_len + 1))
+    for _ in range(engine.gradient_accumulation_steps()):
+        _, loss = engine(tokens[:, :-1], tokens[:, 1:])
+        engine.backward(loss)
+        engine.step()
+    held = torch.tensor([held_tensor_bytes(list(engine.module.parameters()), engine.optimizer)], dtype=torch.float64)
+    dist.all_reduce(held, op=dist.ReduceOp.MAX)
+    ray.train.report({"bytes_per_worker": held.item()})
+
+
+def bytes_per_worker(stage: int, overrides: list[str]) -> float:
+    cfg = load_config("tiny", [f"deepspeed.zero_stage={stage}", "scaling.num_workers=2", *overrides])
+    trainer = TorchTrainer(
+        measure,
+        train_loop_config={"config": cfg.to_dict()},
+        scaling_config=ScalingConfig(num_workers=2),
+        torch_config=TorchConfig(backend="gloo"),
+    )
+    return trainer.fit().metrics["bytes_per_worker"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--set", action="append", default=["model.d_model=512", "model.n_layer=8", "model.n_head=8"])
+    args = parser.parse_args()
+    ray.init(address="local", num_cpus=4, include_dashboard=False)
+    zero0, zero3 = (bytes_per_worker(stage, args.set) for stage in (0, 3))
+    params = GPT(load_config("tiny", args.set).model).num_params()
+    print(json.dumps({"P2": zero3 / zero0, "zero0_bytes": zero0, "zero3_bytes": zero3, "params": params}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

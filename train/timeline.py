@@ -1,0 +1,147 @@
+"""The run's elastic timeline: attempts, resizes, steps redone, goodput and cost.
+
+A small Ray actor, started by the driver for each run, to which rank 0 of each worker group
+reports: an attempt started (world size, nodes, step resumed from), each finished step,
+each checkpoint, a pre-emption notice. From these it derives every resize (from -> to,
+reason, seconds lost, steps redone) and the run summary. It lives outside the workers, so
+it sees across restarts; workers only send it one-way messages, off the training path.
+"""
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+
+@dataclass
+class Attempt:
+    world_size: int
+    node_ids: list[str]
+    node_types: dict[str, str]  # node id -> price type (e.g. "spot", "ondemand")
+    resumed_step: int
+    start: float
+    last_step: int = -1
+    last_step_end: float = 0.0
+    end: float = 0.0
+    preempted: bool = False
+    resize: dict[str, Any] | None = None
+
+
+@dataclass
+class TimelineState:
+    attempts: list[Attempt] = field(default_factory=list)
+    step_seconds: dict[int, float] = field(default_factory=dict)  # the execution of each step that counted
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    finished: float = 0.0
+
+
+def node_price_type(resources: dict[str, float], prices: dict[str, float], default: str) -> str:
+    """The first price type that the node offers as a resource (e.g. ``spot``), else ``default``."""
+    return next((kind for kind in prices if resources.get(kind, 0) > 0), default)
+
+
+@ray.remote(num_cpus=0)
+class RunTimeline:
+    def __init__(self, prices: dict[str, float], on_demand_type: str):
+        self.prices = prices
+        self.on_demand_type = on_demand_type
+        self.state = TimelineState()
+
+    def attempt_started(self, world_size: int, node_ids: list[str], resumed_step: int) -> None:
+        now = time.time()
+        resources = {n["NodeID"]: n["Resources"] for n in ray.nodes()}
+        types = {n: node_price_type(resources.get(n, {}), self.prices, self.on_demand_type) for n in set(node_ids)}
+        attempt = Attempt(world_size, node_ids, types, resumed_step, start=now)
+        if self.state.attempts:
+            previous = self.state.attempts[-1]
+            previous.end = previous.end or now
+            # Steps after the restored checkpoint are redone; they no longer count.
+            for step in [s for s in self.state.step_seconds if s > resumed_step]:
+                del self.state.step_seconds[step]
+            attempt.resize = {
+                "from": previous.world_size,
+                "to": world_size,
+                "reason": self._reason(previous, world_size),
+                "steps_redone": max(0, previous.last_step - resumed_step),
+                "at_step": resumed_step,
+            }
+        self.state.attempts.append(attempt)
+
+    @staticmethod
+    def _reason(previous: Attempt, world_size: int) -> str:
+        if previous.preempted:
+            return "preemption"
+        if world_size > previous.world_size:
+            return "capacity returned"
+        if world_size < previous.world_size:
+            return "node lost"
+        return "worker failure"
+
+    def step_done(self, step: int, seconds: float, end: float) -> None:
+        attempt = self.state.attempts[-1]
+        if attempt.last_step < 0 and attempt.resize is not None:
+            # Seconds lost: from the last step of the previous attempt to the first of this one.
+            previous = self.state.attempts[-2]
+            attempt.resize["seconds_lost"] = end - seconds - (previous.last_step_end or previous.start)
+        attempt.last_step, attempt.last_step_end = step, end
+        self.state.step_seconds[step] = seconds
+
+    def checkpoint_saved(self, step: int, reason: str) -> None:
+        self.state.checkpoints.append({"step": step, "reason": reason, "time": time.time()})
+
+    def preemption_notice(self) -> None:
+        self.state.attempts[-1].preempted = True
+
+    def finished(self) -> None:
+        self.state.finished = time.time()
+        if self.state.attempts:
+            self.state.attempts[-1].end = self.state.finished
+
+    def progress(self) -> dict[str, Any]:
+        """The current world size and last step (for tests and dashboards)."""
+        attempt = self.state.attempts[-1] if self.state.attempts else None
+        return {
+            "attempts": len(self.state.attempts),
+            "world_size": attempt and attempt.world_size,
+            "step": attempt.last_step if attempt else -1,
+        }
+
+    def latest_resize(self) -> dict[str, Any] | None:
+        return self.state.attempts[-1].resize if self.state.attempts else None
+
+    def summary(self) -> dict[str, Any]:
+        return summarize(self.state, self.prices, self.on_demand_type)
+
+
+def summarize(state: TimelineState, prices: dict[str, float], on_demand_type: str) -> dict[str, Any]:
+    """World-size timeline, restarts, steps redone, goodput and cost of a run."""
+    attempts = state.attempts
+    if not attempts:
+        return {}
+    end = state.finished or attempts[-1].last_step_end or time.time()
+    wall = end - attempts[0].start
+    node_seconds: dict[str, float] = {}
+    for attempt in attempts:
+        seconds = (attempt.end or end) - attempt.start
+        for kind in attempt.node_types.values():
+            node_seconds[kind] = node_seconds.get(kind, 0.0) + seconds
+    useful = sum(state.step_seconds.values())
+    summary = {
+        "world_size_timeline": [
+            {"world_size": a.world_size, "from_step": a.resumed_step, "start_s": a.start - attempts[0].start}
+            for a in attempts
+        ],
+        "resizes": [a.resize for a in attempts if a.resize],
+        "restarts": len(attempts) - 1,
+        "steps_redone": sum(a.resize["steps_redone"] for a in attempts if a.resize),
+        "wall_s": wall,
+        "step_s": useful,
+        "goodput": useful / wall if wall > 0 else 0.0,
+        "checkpoints": state.checkpoints,
+        "node_hours": {kind: s / 3600 for kind, s in node_seconds.items()},
+    }
+    if prices:
+        summary["cost"] = sum(prices.get(kind, 0.0) * s / 3600 for kind, s in node_seconds.items())
+        summary["cost_on_demand_only"] = prices.get(on_demand_type, 0.0) * sum(node_seconds.values()) / 3600
+    return summary
