@@ -57,9 +57,16 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[])
     args = parser.parse_args()
     overrides = [
-        "scaling.num_workers=1", "scaling.cpus_per_worker=1", "deepspeed.zero_stage=0", "deepspeed.precision=fp32",
-        f"optim.max_steps={args.steps}", "run.log_every=10", f"run.eval_every={args.steps}",
-        "checkpoint.every_steps=0", f"run.storage_path={tempfile.mkdtemp(prefix='rw-p1-')}", "run.name=p1",
+        "scaling.num_workers=1",
+        "scaling.cpus_per_worker=1",
+        "deepspeed.zero_stage=0",
+        "deepspeed.precision=fp32",
+        f"optim.max_steps={args.steps}",
+        "run.log_every=10",
+        f"run.eval_every={args.steps}",
+        "checkpoint.every_steps=0",
+        f"run.storage_path={tempfile.mkdtemp(prefix='rw-p1-')}",
+        "run.name=p1",
         *args.set,
     ]
     cfg = load_config("tiny", overrides)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from ray.cluster_utils import Cluster
 
 from train.config import TrainConfig, load_config
 
@@ -16,14 +17,25 @@ CORPUS_PACKAGES = ("json", "email", "http", "logging")
 
 
 @pytest.fixture(scope="session")
-def ray_session():
-    """A private local Ray (own temp dir, never one already running on this machine)."""
+def ray_cluster():
+    """One private Ray for the whole session: a head node that elasticity tests add nodes to.
+
+    Its own temp dir and ports, so it never joins (or stops) a Ray already running here.
+    """
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = "1"  # Ray Train notices a drain within ~1 s
     temp_dir = tempfile.mkdtemp(prefix="/tmp/rwt-")
-    ray.init(address="local", num_cpus=4, _temp_dir=temp_dir, include_dashboard=False, log_to_driver=True)
-    yield
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "temp_dir": temp_dir})
+    ray.init(address=cluster.address)
+    yield cluster
     ray.shutdown()
+    cluster.shutdown()
     shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def ray_session(ray_cluster):
+    return ray_cluster
 
 
 @pytest.fixture(scope="session")

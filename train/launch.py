@@ -14,6 +14,7 @@ from ray.train import FailureConfig
 from ray.train import RunConfig as RayRunConfig
 from ray.train import ScalingConfig as RayScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from train import checkpoint, storage
 from train.config import TrainConfig
@@ -151,7 +152,11 @@ def run_training(cfg: TrainConfig) -> RunSummary:
     init_ray(cfg)
     data_path, manifest = ensure_dataset(cfg)
     timeline_name = f"raywright-timeline-{cfg.run.name}-{uuid.uuid4().hex[:8]}"
-    timeline = RunTimeline.options(name=timeline_name).remote(cfg.cost.price_per_hour, cfg.cost.on_demand_type)
+    # On the driver's node (the head on a cluster): the timeline must outlive any worker node.
+    timeline = RunTimeline.options(
+        name=timeline_name,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
+    ).remote(cfg.cost.price_per_hour, cfg.cost.on_demand_type)
     build_trainer(cfg, data_path, manifest, timeline_name).fit()
     ray.get(timeline.finished.remote())
     elastic = ray.get(timeline.summary.remote())

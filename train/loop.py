@@ -82,15 +82,20 @@ def _checkpoint_reason(cfg: TrainConfig, step: int, last_save: float, jit: bool,
     return ""
 
 
-def _log_samples(path: str, step: int, my_rows: np.ndarray, device: torch.device) -> None:
-    """Append the dataset rows every rank trained on in ``step`` to the sample log (rank 0 writes)."""
+def _log_samples(path: str, step: int, my_rows: np.ndarray, my_loss: float, device: torch.device) -> None:
+    """Append the dataset rows every rank trained on in ``step``, and the step's loss, to the sample log.
+
+    Rank 0 writes it directly (not through Ray's reports, the newest of which a restart can drop),
+    so every step that finished is in it.
+    """
     mine = torch.from_numpy(my_rows.astype(np.int64)).to(device)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
+    loss = _mean_over_ranks(my_loss, 1.0, device)
     if dist.get_rank() == 0:
-        rows = torch.cat(gathered).tolist()
+        record = {"step": step, "world_size": len(gathered), "loss": loss, "rows": torch.cat(gathered).tolist()}
         with open(path, "a") as f:
-            f.write(json.dumps({"step": step, "world_size": len(gathered), "rows": rows}) + "\n")
+            f.write(json.dumps(record) + "\n")
 
 
 def train_loop(args: dict[str, Any]) -> None:
@@ -155,7 +160,7 @@ def train_loop(args: dict[str, Any]) -> None:
         step_start = time.time()
         for group in engine.optimizer.param_groups:
             group["lr"] = lr_at(step, optim)
-        my_rows = []
+        my_rows, step_loss = [], 0.0
         for micro_step in range(grad_accum):
             samples = micro_batch_samples(
                 step, micro_step, rank, world, optim.global_batch_size, optim.micro_batch_size
@@ -167,7 +172,8 @@ def train_loop(args: dict[str, Any]) -> None:
             _, loss = engine(*_to_batch(train_rows[rows], engine.device))
             engine.backward(loss)
             engine.step()
-            window_loss += loss.item() / grad_accum
+            step_loss += loss.item() / grad_accum
+        window_loss += step_loss
         step += 1
         window_steps += 1
         step_seconds = time.time() - step_start
@@ -175,7 +181,7 @@ def train_loop(args: dict[str, Any]) -> None:
         if timeline:
             timeline.step_done.remote(step, step_seconds, time.time())
         if sample_log:
-            _log_samples(sample_log, step, np.concatenate(my_rows), engine.device)
+            _log_samples(sample_log, step, np.concatenate(my_rows), step_loss, engine.device)
 
         metrics: dict[str, Any] = {}
         if step % cfg.run.log_every == 0 or step == optim.max_steps or step == first_step:
