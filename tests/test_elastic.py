@@ -16,13 +16,13 @@ import time
 from pathlib import Path
 
 import pytest
-import ray
-from ray.core.generated import autoscaler_pb2
 
+from cluster.drain import drain_node
 from train.config import load_config
 from train.data import load_manifest, prepare
 from train.launch import local_run_dir, run_training
 from train.loader import SampleOrder
+from train.timeline import progress_of
 
 SLOT = "elastic_test_slot"  # only the added nodes offer it, so no training worker lands on the head
 GLOBAL_BATCH = 12  # divides for 2 and 3 workers with micro batch 2
@@ -53,32 +53,15 @@ def _add_node(cluster):
     return cluster.add_node(num_cpus=1, resources={SLOT: 1, "spot": 1})
 
 
-def _timeline_progress(run_name: str) -> dict:
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
-    name = next((n for n in names if n.startswith(f"raywright-timeline-{run_name}-")), None)
-    return ray.get(ray.get_actor(name).progress.remote()) if name else {"attempts": 0, "world_size": None, "step": -1}
-
-
 def _wait_for(run_name: str, attempts: int, world_size: int, min_step: int, thread, timeout: float = 240) -> dict:
     deadline = time.time() + timeout
     while time.time() < deadline:
         assert thread.is_alive(), "the run ended before the scenario was played"
-        progress = _timeline_progress(run_name)
+        progress = progress_of(run_name)
         if progress["attempts"] == attempts and progress["world_size"] == world_size and progress["step"] >= min_step:
             return progress
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for attempt {attempts} at {world_size} workers: {progress}")
-
-
-def _drain(node, deadline_s: float) -> None:
-    gcs = ray._raylet.GcsClient(address=ray.get_runtime_context().gcs_address)
-    accepted, error = gcs.drain_node(
-        node.node_id,
-        autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-        "spot notice",
-        int(time.time() * 1000 + deadline_s * 1000),
-    )
-    assert accepted, error
 
 
 def _config(dataset: str, storage: str, name: str, stage: int, num_workers: str, max_steps: int):
@@ -129,7 +112,7 @@ def test_shrink_grow_and_preemption_keep_the_numbers_exact(stage, ray_cluster, w
     worker_nodes[2] = _add_node(ray_cluster)  # (b) capacity returns
     at = _wait_for(cfg.run.name, attempts=3, world_size=3, min_step=at["step"] + 2, thread=thread)
     preempted = worker_nodes[1]
-    _drain(preempted, deadline_s=6)  # (c) a spot pre-emption notice with a deadline
+    drain_node(preempted.node_id, deadline_s=6)  # (c) a spot pre-emption notice with a deadline
     _wait_for(cfg.run.name, attempts=4, world_size=2, min_step=0, thread=thread)
     thread.join(timeout=300)
     assert result, "the elastic run did not finish"

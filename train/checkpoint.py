@@ -7,18 +7,20 @@ counts only when its metadata exists and every file it lists is there at that si
 half-written one is skipped with a warning, so a crash mid-save never becomes "latest".
 """
 
+import argparse
+import contextlib
 import hashlib
+import io
 import logging
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from typing import Any
 
 import pyarrow.fs as pafs
 import torch.distributed as dist
+from deepspeed.checkpoint import ds_to_universal
 
 from train import storage
 
@@ -124,28 +126,34 @@ def convert_to_universal(checkpoint: dict[str, Any]) -> None:
             if not storage.is_local(uri):
                 storage.copy_dir(uri, source)
             output = os.path.join(scratch, UNIVERSAL)
-            command = [
-                sys.executable,
-                "-m",
-                "deepspeed.checkpoint.ds_to_universal",
-                "--input_folder",
-                source,
-                "--output_folder",
-                output,
-                "--num_extract_workers",
-                "1",
-            ]
-            if stage < 3:  # ZeRO-1/2 checkpoints lack state the converter expects
-                command.append("--inject_missing_state")
-            result = subprocess.run(command, capture_output=True, text=True)
-            if result.returncode != 0:
-                raise RuntimeError(f"converting {uri} to universal format failed:\n{result.stderr[-3000:]}")
+            _run_ds_to_universal(source, output, inject_missing_state=stage < 3)
             if storage.exists(storage.join(uri, UNIVERSAL)):
                 storage.delete_dir(storage.join(uri, UNIVERSAL))  # a conversion cut short earlier
             storage.copy_dir(output, storage.join(uri, UNIVERSAL))
         storage.write_json(done, {"seconds": time.time() - started})
         logger.info("converted %s to universal format in %.1f s", uri, time.time() - started)
     dist.barrier()
+
+
+def _run_ds_to_universal(source: str, output: str, inject_missing_state: bool) -> None:
+    """DeepSpeed's converter, in this process (a subprocess would spend seconds re-importing torch)."""
+    converter_args = argparse.Namespace(
+        input_folder=source,
+        output_folder=output,
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=inject_missing_state,  # ZeRO-1/2 checkpoints lack state it expects
+    )
+    chatter = io.StringIO()  # it prints progress bars and every file it writes
+    try:
+        with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
+            ds_to_universal.main(converter_args)
+    except Exception as exc:
+        raise RuntimeError(
+            f"converting {source} to universal format failed: {exc}\n{chatter.getvalue()[-3000:]}"
+        ) from exc
 
 
 def load(engine, checkpoint: dict[str, Any], universal: bool) -> None:

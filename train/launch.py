@@ -22,7 +22,7 @@ from train.data import load_manifest, prepare
 from train.export import export_uri
 from train.loop import train_loop
 from train.metrics import MetricsRecorder, read_metrics
-from train.timeline import RunTimeline
+from train.timeline import TIMELINE_PREFIX, RunTimeline
 
 # One progress line per report in the terminal, without Ray Train's echo of every report.
 RAY_TRAIN_LOGGING_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_TRAIN_ENABLE_WORKER_STRUCTURED_LOGGING": "0"}
@@ -151,7 +151,7 @@ def run_training(cfg: TrainConfig) -> RunSummary:
     """Train ``cfg`` to completion (resuming the run of the same name if it exists)."""
     init_ray(cfg)
     data_path, manifest = ensure_dataset(cfg)
-    timeline_name = f"raywright-timeline-{cfg.run.name}-{uuid.uuid4().hex[:8]}"
+    timeline_name = f"{TIMELINE_PREFIX}{cfg.run.name}-{uuid.uuid4().hex[:8]}"
     # On the driver's node (the head on a cluster): the timeline must outlive any worker node.
     timeline = RunTimeline.options(
         name=timeline_name,

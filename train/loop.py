@@ -154,6 +154,7 @@ def train_loop(args: dict[str, Any]) -> None:
     sample_log = os.path.join(args["local_run_dir"], "samples.jsonl") if cfg.run.sample_log else None
     first_step = step + 1
     preemption_seen = False
+    preemption_check_every = 1  # steps; set from the measured step time at each loss report
     last_save = time.time()
     window_loss, window_steps, window_time = 0.0, 0, 0.0  # since the last loss report
     while step < optim.max_steps:
@@ -186,12 +187,15 @@ def train_loop(args: dict[str, Any]) -> None:
         metrics: dict[str, Any] = {}
         if step % cfg.run.log_every == 0 or step == optim.max_steps or step == first_step:
             tokens_per_s = tokens_per_step * window_steps / window_time
+            # The same on every rank (an all-reduced time), so all ranks join the same checks.
+            step_time = _mean_over_ranks(window_time, window_steps, engine.device)
+            preemption_check_every = max(1, round(cfg.checkpoint.preemption_check_s / step_time))
             metrics = {
                 "step": step,
                 "loss": _mean_over_ranks(window_loss, window_steps, engine.device),
                 "lr": lr_at(step - 1, optim),
                 "tokens_per_s": tokens_per_s,
-                "step_time_s": window_time / window_steps,
+                "step_time_s": step_time,
                 "mfu": flops_per_token(cfg.model) * tokens_per_s / (peak * 1e12 * world) if peak else None,
                 "memory_gb": memory_gb(),
                 "samples_seen": step * optim.global_batch_size,
@@ -211,7 +215,8 @@ def train_loop(args: dict[str, Any]) -> None:
             metrics.update(step=step, val_loss=val_loss, val_perplexity=float(np.exp(val_loss)))
 
         # A draining node (spot pre-emption) gets one just-in-time checkpoint before its deadline.
-        jit = not preemption_seen and ray.train.get_preemption_info() is not None
+        check = not preemption_seen and step % preemption_check_every == 0
+        jit = check and ray.train.get_preemption_info() is not None
         preemption_seen = preemption_seen or jit
         reason = _checkpoint_reason(cfg, step, last_save, jit, engine.device)
         if reason:

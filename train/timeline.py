@@ -36,13 +36,26 @@ class TimelineState:
     finished: float = 0.0
 
 
+TIMELINE_PREFIX = "raywright-timeline-"
+
+
+def progress_of(run_name: str) -> dict[str, Any]:
+    """Attempts, world size and last step of a running run (for tests, benchmarks, dashboards)."""
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    name = next((n for n in names if n.startswith(f"{TIMELINE_PREFIX}{run_name}-")), None)
+    if name is None:
+        return {"attempts": 0, "world_size": None, "step": -1}
+    return ray.get(ray.get_actor(name).progress.remote())
+
+
 def node_price_type(resources: dict[str, float], prices: dict[str, float], default: str) -> str:
     """The first price type that the node offers as a resource (e.g. ``spot``), else ``default``."""
     return next((kind for kind in prices if resources.get(kind, 0) > 0), default)
 
 
-@ray.remote(num_cpus=0)
-class RunTimeline:
+class Timeline:
+    """The run's event log and its derived figures; run as the ``RunTimeline`` actor."""
+
     def __init__(self, prices: dict[str, float], on_demand_type: str):
         self.prices = prices
         self.on_demand_type = on_demand_type
@@ -112,6 +125,9 @@ class RunTimeline:
 
     def summary(self) -> dict[str, Any]:
         return summarize(self.state, self.prices, self.on_demand_type)
+
+
+RunTimeline = ray.remote(num_cpus=0)(Timeline)
 
 
 def summarize(state: TimelineState, prices: dict[str, float], on_demand_type: str) -> dict[str, Any]:

@@ -1,0 +1,41 @@
+import pytest
+import ray
+
+from train.timeline import Timeline, node_price_type
+
+
+def test_node_price_type_is_the_first_priced_resource():
+    prices = {"spot": 1.0, "ondemand": 3.0}
+    assert node_price_type({"CPU": 8, "spot": 1}, prices, "ondemand") == "spot"
+    assert node_price_type({"CPU": 8}, prices, "ondemand") == "ondemand"
+
+
+def test_resizes_redone_steps_goodput_and_cost(ray_session, monkeypatch):
+    node = ray.get_runtime_context().get_node_id()
+    clock = iter(range(0, 10_000, 10))
+    monkeypatch.setattr("train.timeline.time.time", lambda: float(next(clock)))
+    timeline = Timeline({"ondemand": 3.0}, "ondemand")
+
+    timeline.attempt_started(3, [node] * 3, resumed_step=0)  # t=0
+    for step in (1, 2, 3):
+        timeline.step_done(step, seconds=10.0, end=10.0 * step)
+    timeline.attempt_started(2, [node] * 2, resumed_step=2)  # node lost; step 3 is redone
+    timeline.step_done(3, seconds=10.0, end=60.0)
+    timeline.preemption_notice()
+    timeline.checkpoint_saved(3, "preemption")
+    timeline.attempt_started(2, [node] * 2, resumed_step=3)
+    timeline.step_done(4, seconds=10.0, end=90.0)
+    timeline.finished()
+
+    summary = timeline.summary()
+    assert [(r["from"], r["to"], r["reason"], r["steps_redone"]) for r in summary["resizes"]] == [
+        (3, 2, "node lost", 1),
+        (2, 2, "preemption", 0),
+    ]
+    # From the end of the last step before (t=30) to the start of the first one after (t=60-10).
+    assert summary["resizes"][0]["seconds_lost"] == pytest.approx(20.0)
+    assert summary["restarts"] == 2 and summary["steps_redone"] == 1
+    assert summary["step_s"] == 40.0  # steps 1-4 once each; the first run of step 3 does not count
+    assert summary["goodput"] == pytest.approx(40.0 / summary["wall_s"])
+    assert summary["cost"] == pytest.approx(summary["cost_on_demand_only"])  # the head node has no "spot"
+    assert summary["checkpoints"][0]["reason"] == "preemption"
