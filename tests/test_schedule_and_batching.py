@@ -30,6 +30,7 @@ def test_ds_config_from_recipe_and_raw_json_override(tmp_path):
     cfg = load_config("tiny", ["deepspeed.zero_stage=3", f"deepspeed.config_file={raw}"])
     ds = build_ds_config(cfg, world_size=2)
     assert ds["train_batch_size"] == 16 and ds["gradient_accumulation_steps"] == 1
-    assert ds["zero_optimization"] == {"stage": 3, "reduce_bucket_size": 1000}
+    assert ds["zero_optimization"]["stage"] == 3 and ds["zero_optimization"]["reduce_bucket_size"] == 1000
+    assert ds["zero_optimization"]["stage3_param_persistence_threshold"] == 10 * cfg.model.d_model
     assert ds["gradient_clipping"] == 0.5
     assert build_ds_config(cfg, world_size=1)["gradient_accumulation_steps"] == 2

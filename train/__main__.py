@@ -1,7 +1,6 @@
 """python -m train [--config RECIPE] [--set section.key=value ...]"""
 
 import argparse
-import dataclasses
 import json
 import sys
 
@@ -32,7 +31,19 @@ def main(argv: list[str] | None = None) -> int:
     from train.launch import run_training  # imports Ray and DeepSpeed: only after the config is valid
 
     summary = run_training(cfg)
-    print("\n".join(f"{key:>17}: {value}" for key, value in dataclasses.asdict(summary).items()))
+    elastic = summary.elastic
+    lines = {
+        "run": summary.run_dir,
+        "checkpoint": summary.checkpoint,
+        "export": summary.export,
+        "steps": summary.steps,
+        "val loss": " -> ".join(f"{v:.4f}" for v in (summary.initial_val_loss, summary.final_val_loss) if v),
+        "restarts": f"{elastic.get('restarts', 0)} ({elastic.get('steps_redone', 0)} steps redone)",
+        "goodput": f"{elastic.get('goodput', 0.0):.1%}",
+    }
+    if "cost" in elastic:
+        lines["cost"] = f"{elastic['cost']:.2f} (on-demand only: {elastic['cost_on_demand_only']:.2f})"
+    print("\n".join(f"{key:>10}: {value}" for key, value in lines.items()))
     return 0
 
 

@@ -31,7 +31,7 @@ def build_ds_config(cfg: TrainConfig, world_size: int, load_universal: bool = Fa
                 "weight_decay": cfg.optim.weight_decay,
             },
         },
-        "zero_optimization": {"stage": ds.zero_stage},
+        "zero_optimization": _zero_buckets(ds.zero_stage, cfg.model.d_model),
         "bf16": {"enabled": ds.precision == "bf16"},
         "fp16": {"enabled": ds.precision == "fp16", "initial_scale_power": 16},
         "steps_per_print": 2**31 - 1,  # raywright reports its own metrics
@@ -47,6 +47,21 @@ def build_ds_config(cfg: TrainConfig, world_size: int, load_universal: bool = Fa
         with open(ds.config_file) as f:
             config = merge(config, json.load(f))
     return config
+
+
+def _zero_buckets(stage: int, d_model: int) -> dict[str, Any]:
+    """ZeRO communication buffers sized from the model, as Hugging Face's ``auto`` values do.
+
+    DeepSpeed's defaults (5e8-element buckets: 2 GB in fp32 per buffer) suit billion-parameter
+    models and dwarf the model state of smaller ones.
+    """
+    zero: dict[str, Any] = {"stage": stage}
+    if stage >= 1:
+        zero["reduce_bucket_size"] = d_model * d_model
+    if stage == 3:
+        zero["stage3_prefetch_bucket_size"] = int(0.9 * d_model * d_model)
+        zero["stage3_param_persistence_threshold"] = 10 * d_model
+    return zero
 
 
 def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:

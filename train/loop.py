@@ -186,9 +186,9 @@ def train_loop(args: dict[str, Any]) -> None:
 
         metrics: dict[str, Any] = {}
         if step % cfg.run.log_every == 0 or step == optim.max_steps or step == first_step:
-            tokens_per_s = tokens_per_step * window_steps / window_time
             # The same on every rank (an all-reduced time), so all ranks join the same checks.
             step_time = _mean_over_ranks(window_time, window_steps, engine.device)
+            tokens_per_s = tokens_per_step / step_time
             preemption_check_every = max(1, round(cfg.checkpoint.preemption_check_s / step_time))
             metrics = {
                 "step": step,
