@@ -155,6 +155,7 @@ def train_loop(args: dict[str, Any]) -> None:
     first_step = step + 1
     preemption_seen = False
     preemption_check_every = 1  # steps; set from the measured step time at each loss report
+    steps_to_preemption_check = 1
     last_save = time.time()
     window_loss, window_steps, window_time = 0.0, 0, 0.0  # since the last loss report
     while step < optim.max_steps:
@@ -215,7 +216,11 @@ def train_loop(args: dict[str, Any]) -> None:
             metrics.update(step=step, val_loss=val_loss, val_perplexity=float(np.exp(val_loss)))
 
         # A draining node (spot pre-emption) gets one just-in-time checkpoint before its deadline.
-        check = not preemption_seen and step % preemption_check_every == 0
+        # A countdown, not step % interval: the interval moves with the measured step time.
+        steps_to_preemption_check -= 1
+        check = not preemption_seen and steps_to_preemption_check <= 0
+        if check:
+            steps_to_preemption_check = preemption_check_every
         jit = check and ray.train.get_preemption_info() is not None
         preemption_seen = preemption_seen or jit
         reason = _checkpoint_reason(cfg, step, last_save, jit, engine.device)
