@@ -98,8 +98,8 @@ def build_trainer(cfg: TrainConfig, data_path: str, manifest: dict, timeline: st
         train_loop,
         train_loop_config={
             "config": cfg.to_dict(),
-            "run_uri": run_uri if "://" in run_uri else os.path.abspath(run_uri),
-            "data_path": data_path if "://" in data_path else os.path.abspath(data_path),
+            "run_uri": storage.absolute(run_uri),
+            "data_path": storage.absolute(data_path),
             "local_run_dir": local_run_dir(cfg),
             "timeline": timeline,
             "provenance": {
@@ -130,7 +130,7 @@ def build_trainer(cfg: TrainConfig, data_path: str, manifest: dict, timeline: st
 def local_run_dir(cfg: TrainConfig) -> str:
     """Where metrics files go: the run directory, or ./runs/<name> when storage is remote."""
     base = cfg.run.storage_path if storage.is_local(cfg.run.storage_path) else "runs"
-    return os.path.join(os.path.abspath(os.path.expanduser(base)), cfg.run.name)
+    return os.path.join(storage.absolute(base), cfg.run.name)
 
 
 def ensure_dataset(cfg: TrainConfig) -> tuple[str, dict]:

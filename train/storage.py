@@ -14,6 +14,11 @@ def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
     return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri))
 
 
+def absolute(uri: str) -> str:
+    """A URI as it is, a local path made absolute (what Ray and the workers need)."""
+    return uri if "://" in uri else resolve(uri)[1]
+
+
 def is_local(uri: str) -> bool:
     return isinstance(resolve(uri)[0], pafs.LocalFileSystem)
 
