@@ -116,9 +116,7 @@ def build_trainer(cfg: TrainConfig, data_path: str, manifest: dict, timeline: st
         ),
         run_config=RayRunConfig(
             name=cfg.run.name,
-            storage_path=storage.resolve(cfg.run.storage_path)[1]
-            if storage.is_local(cfg.run.storage_path)
-            else cfg.run.storage_path,
+            storage_path=storage.absolute(cfg.run.storage_path),
             # Pre-emptions are routine on spot nodes: unlimited; real failures are bounded.
             failure_config=FailureConfig(max_failures=scaling.max_failures, max_preemption_failures=-1),
             callbacks=[MetricsRecorder(local_run_dir(cfg))],
