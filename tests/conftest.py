@@ -8,9 +8,16 @@ from pathlib import Path
 
 import pytest
 import ray
+import torch
 from ray.cluster_utils import Cluster
 
 from train.config import TrainConfig, load_config
+from train.export import save_export
+from train.model import GPT, ModelConfig
+from train.tokenizer import ByteTokenizer
+
+# What the serving tests' model learns by heart: ASCII and 2-, 3- and 4-byte UTF-8 characters.
+MEMORIZED_TEXT = "Grüße aus Köln: 3 € für ☕ und 🚀. "
 
 # A few standard-library packages: a real corpus of ~4 MB that every machine has.
 CORPUS_PACKAGES = ("json", "email", "http", "logging")
@@ -65,3 +72,29 @@ def tiny_config(tiny_dataset, tmp_path):
         return load_config("tiny", [f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}", *overrides])
 
     return build
+
+
+@pytest.fixture(scope="session")
+def memorized_export(tmp_path_factory) -> str:
+    """A small GPT trained in-process (seconds) to recite MEMORIZED_TEXT, saved as a training export.
+
+    Its greedy continuations are known text with multi-byte characters, which makes serving
+    results checkable; training itself is tested elsewhere.
+    """
+    torch.manual_seed(0)
+    cfg = ModelConfig(seq_len=96, n_layer=2, n_head=2, d_model=64)
+    model = GPT(cfg)
+    tokens = torch.from_numpy(ByteTokenizer().encode(MEMORIZED_TEXT * 12).astype("int64"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(300):
+        starts = torch.randint(0, len(tokens) - cfg.seq_len - 1, (16,))
+        window = torch.stack([tokens[s : s + cfg.seq_len + 1] for s in starts])
+        _, loss = model(window[:, :-1], window[:, 1:])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < 0.05, f"the serving test model did not learn its text (loss {loss.item():.3f})"
+    out = str(tmp_path_factory.mktemp("memorized") / "export")
+    info = {"tokenizer": ByteTokenizer().to_dict(), "provenance": {"config": {"run": {"name": "memorized"}}}}
+    save_export(model.state_dict(), cfg, out, info)
+    return out

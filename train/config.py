@@ -228,7 +228,12 @@ def _type_name(hint: Any) -> str:
     return getattr(hint, "__name__", str(hint))
 
 
-def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
+def build_dataclass(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
+    """``cls`` built from nested ``values``; unknown keys and mistyped values raise ConfigError.
+
+    ``prefix`` is the dotted section name used in error messages. Shared by every config of
+    raywright (training, serving, sweeps) so that all of them fail the same way.
+    """
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     for key in values:
@@ -242,13 +247,13 @@ def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
                 raise ConfigError(
                     f"{prefix}{key} must be a mapping of {sorted(f.name for f in dataclasses.fields(hint))}"
                 )
-            kwargs[key] = _build(hint, value, f"{prefix}{key}.")
+            kwargs[key] = build_dataclass(hint, value, f"{prefix}{key}.")
         else:
             kwargs[key] = _coerce(value, hint, f"{prefix}{key}")
     return cls(**kwargs)
 
 
-def _apply_override(tree: dict[str, Any], override: str) -> None:
+def apply_override(tree: dict[str, Any], override: str) -> None:
     """Apply ``section.key=value`` to the nested dict ``tree``; the value is parsed as YAML."""
     path, sep, raw = override.partition("=")
     if not sep or not path:
@@ -282,8 +287,8 @@ def load_config(recipe: str | None = None, overrides: list[str] = ()) -> TrainCo
         if not isinstance(tree, dict):
             raise ConfigError(f"{path}: a recipe must be a mapping of sections")
     for override in overrides:
-        _apply_override(tree, override)
-    config = _build(TrainConfig, tree, "")
+        apply_override(tree, override)
+    config = build_dataclass(TrainConfig, tree, "")
     try:
         config.validate()
     except ValueError as exc:
@@ -293,6 +298,6 @@ def load_config(recipe: str | None = None, overrides: list[str] = ()) -> TrainCo
 
 def config_from_dict(values: dict[str, Any]) -> TrainConfig:
     """Rebuild a validated config from ``to_dict`` output (checkpoint metadata, Ray workers)."""
-    config = _build(TrainConfig, values, "")
+    config = build_dataclass(TrainConfig, values, "")
     config.validate()
     return config

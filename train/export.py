@@ -30,9 +30,14 @@ def export_model(engine, model_config: ModelConfig, uri: str, info: dict[str, An
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
         state = {name: tensor.detach().cpu().clone() for name, tensor in module.state_dict().items()}
     if dist.get_rank() == 0:
-        storage.write_bytes(storage.join(uri, WEIGHTS), save_safetensors(state))
-        storage.write_json(storage.join(uri, CONFIG), {"model": vars(model_config), **info})
+        save_export(state, model_config, uri, info)
     dist.barrier()
+
+
+def save_export(state: dict[str, torch.Tensor], model_config: ModelConfig, uri: str, info: dict[str, Any]) -> None:
+    """Write weights, then the config that makes the export loadable."""
+    storage.write_bytes(storage.join(uri, WEIGHTS), save_safetensors(state))
+    storage.write_json(storage.join(uri, CONFIG), {"model": vars(model_config), **info})
 
 
 def load_exported(uri: str, dtype: torch.dtype | None = None) -> tuple[GPT, dict[str, Any]]:

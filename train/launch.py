@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import ray
 from ray.train import FailureConfig
@@ -88,26 +89,32 @@ def set_ray_train_env(cfg: TrainConfig) -> None:
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.scaling.worker_start_timeout_s)
 
 
-def build_trainer(cfg: TrainConfig, data_path: str, manifest: dict, timeline: str | None = None) -> TorchTrainer:
-    """The TorchTrainer for ``cfg``; ``timeline`` names the RunTimeline actor the workers report to."""
+def loop_args(cfg: TrainConfig, data_path: str, manifest: dict, timeline: str | None = None) -> dict[str, Any]:
+    """The ``args`` of ``train_loop`` for ``cfg``; ``timeline`` names the RunTimeline actor to report to."""
+    return {
+        "config": cfg.to_dict(),
+        "run_uri": storage.absolute(storage.join(cfg.run.storage_path, cfg.run.name)),
+        "data_path": storage.absolute(data_path),
+        "local_run_dir": local_run_dir(cfg),
+        "timeline": timeline,
+        "provenance": {
+            "data_manifest_sha256": hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest(),
+            "data_source_sha256": manifest["source_sha256"],
+            "code_version": code_version(),
+        },
+    }
+
+
+def build_trainer(
+    cfg: TrainConfig, data_path: str, manifest: dict, timeline: str | None = None, callbacks: list = ()
+) -> TorchTrainer:
+    """The TorchTrainer for ``cfg``; ``callbacks`` are added to raywright's metrics recorder."""
     set_ray_train_env(cfg)
-    run_uri = storage.join(cfg.run.storage_path, cfg.run.name)
     scaling = cfg.scaling
     num_workers = scaling.num_workers if isinstance(scaling.num_workers, int) else tuple(scaling.num_workers)
     return TorchTrainer(
         train_loop,
-        train_loop_config={
-            "config": cfg.to_dict(),
-            "run_uri": storage.absolute(run_uri),
-            "data_path": storage.absolute(data_path),
-            "local_run_dir": local_run_dir(cfg),
-            "timeline": timeline,
-            "provenance": {
-                "data_manifest_sha256": hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest(),
-                "data_source_sha256": manifest["source_sha256"],
-                "code_version": code_version(),
-            },
-        },
+        train_loop_config=loop_args(cfg, data_path, manifest, timeline),
         scaling_config=RayScalingConfig(
             num_workers=num_workers,
             use_gpu=scaling.use_gpu,
@@ -119,7 +126,7 @@ def build_trainer(cfg: TrainConfig, data_path: str, manifest: dict, timeline: st
             storage_path=storage.absolute(cfg.run.storage_path),
             # Pre-emptions are routine on spot nodes: unlimited; real failures are bounded.
             failure_config=FailureConfig(max_failures=scaling.max_failures, max_preemption_failures=-1),
-            callbacks=[MetricsRecorder(local_run_dir(cfg))],
+            callbacks=[MetricsRecorder(local_run_dir(cfg)), *callbacks],
         ),
         torch_config=TorchConfig(backend="nccl" if scaling.use_gpu else "gloo"),
     )

@@ -8,6 +8,7 @@ complete checkpoint (converting it if the world size changed), then trains optim
 import json
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import deepspeed
@@ -57,28 +58,36 @@ def evaluate(engine, val_rows: np.ndarray, micro_batch: int) -> float:
     return _mean_over_ranks(total, per_rank, engine.device)
 
 
-def _report(metrics: dict[str, Any], max_steps: int) -> None:
-    """Print a progress line from rank 0 and report to Ray Train (every rank reports, in step)."""
+def _report(metrics: dict[str, Any], max_steps: int, report: Callable[[dict], None]) -> None:
+    """Print a progress line from rank 0 and report (every rank reports, in step)."""
     metrics["time"] = time.time()
     if dist.get_rank() == 0:
         print(format_progress(metrics, max_steps), flush=True)
-    ray.train.report(metrics)
+    report(metrics)
 
 
-def _checkpoint_reason(cfg: TrainConfig, step: int, last_save: float, jit: bool, device: torch.device) -> str:
-    """Why to checkpoint after ``step`` ("" for no checkpoint); the same answer on every rank."""
-    if jit:
-        return "preemption"
+def _rank0_says(flag: bool, device: torch.device) -> bool:
+    """Rank 0's ``flag`` on every rank, so that clock-based decisions lead all ranks into the same collective."""
+    value = torch.tensor([float(flag)], device=device)
+    dist.broadcast(value, src=0)
+    return bool(value.item())
+
+
+def _checkpoint_reason(cfg: TrainConfig, step: int, last_save: float, urgent: str, device: torch.device) -> str:
+    """Why to checkpoint after ``step`` ("" for no checkpoint); the same answer on every rank.
+
+    ``urgent`` is a reason decided by the caller ("preemption", "deadline") that overrides the schedule.
+    """
+    if urgent:
+        return urgent
     if step == cfg.optim.max_steps:
         return "final"
     if cfg.checkpoint.every_steps > 0 and step % cfg.checkpoint.every_steps == 0:
         return "steps"
-    if cfg.checkpoint.every_minutes > 0:
-        # Rank 0's clock decides, so that every rank takes part in the same collective save.
-        flag = torch.tensor([float(time.time() - last_save >= 60 * cfg.checkpoint.every_minutes)], device=device)
-        dist.broadcast(flag, src=0)
-        if flag.item():
-            return "minutes"
+    if cfg.checkpoint.every_minutes > 0 and _rank0_says(
+        time.time() - last_save >= 60 * cfg.checkpoint.every_minutes, device
+    ):
+        return "minutes"
     return ""
 
 
@@ -98,10 +107,15 @@ def _log_samples(path: str, step: int, my_rows: np.ndarray, my_loss: float, devi
             f.write(json.dumps(record) + "\n")
 
 
-def train_loop(args: dict[str, Any]) -> None:
-    """Ray Train worker entry point.
+def train_loop(
+    args: dict[str, Any],
+    report: Callable[[dict], None] = ray.train.report,
+    preemption_info: Callable[[], Any] = ray.train.get_preemption_info,
+) -> None:
+    """Ray Train worker entry point; also run directly, in one process, by single-worker sweep trials.
 
     ``args``: config (dict), run_uri, data_path, local_run_dir, provenance, timeline (actor name or None).
+    ``report`` and ``preemption_info`` default to Ray Train's; a Tune trial passes Tune's report.
     """
     cfg = config_from_dict(args["config"])
     run_uri = args["run_uri"]
@@ -136,7 +150,7 @@ def train_loop(args: dict[str, Any]) -> None:
             print(f"resumed from {latest['uri']} at step {step} on {world} workers{via}", flush=True)
     else:
         val_loss = evaluate(engine, val_rows, optim.micro_batch_size)
-        _report({"step": 0, "val_loss": val_loss, "val_perplexity": float(np.exp(val_loss))}, optim.max_steps)
+        _report({"step": 0, "val_loss": val_loss, "val_perplexity": float(np.exp(val_loss))}, optim.max_steps, report)
     node_ids = [None] * world
     dist.all_gather_object(node_ids, ray.get_runtime_context().get_node_id())
     if timeline:
@@ -157,6 +171,8 @@ def train_loop(args: dict[str, Any]) -> None:
     preemption_check_every = 1  # steps; set from the measured step time at each loss report
     steps_to_preemption_check = 1
     last_save = time.time()
+    save_seconds = 0.0
+    deadline = None  # of a pre-emption notice: a last checkpoint is due shortly before it
     window_loss, window_steps, window_time = 0.0, 0, 0.0  # since the last loss report
     while step < optim.max_steps:
         step_start = time.time()
@@ -215,16 +231,26 @@ def train_loop(args: dict[str, Any]) -> None:
             val_loss = evaluate(engine, val_rows, optim.micro_batch_size)
             metrics.update(step=step, val_loss=val_loss, val_perplexity=float(np.exp(val_loss)))
 
-        # A draining node (spot pre-emption) gets one just-in-time checkpoint before its deadline.
+        # A draining node (spot pre-emption) gets a just-in-time checkpoint at the notice, and a last
+        # one shortly before the deadline, so that the steps trained while waiting are not redone.
         # A countdown, not step % interval: the interval moves with the measured step time.
         steps_to_preemption_check -= 1
         check = not preemption_seen and steps_to_preemption_check <= 0
         if check:
             steps_to_preemption_check = preemption_check_every
-        jit = check and ray.train.get_preemption_info() is not None
-        preemption_seen = preemption_seen or jit
-        reason = _checkpoint_reason(cfg, step, last_save, jit, engine.device)
+        notice = preemption_info() if check else None
+        jit = notice is not None
+        if jit:
+            preemption_seen = True
+            deadline = notice.deadline_ms / 1000 if notice.deadline_ms else None
+        margin = 2 * save_seconds + 3 * step_seconds + 1.0
+        last_call = deadline is not None and _rank0_says(time.time() >= deadline - margin, engine.device)
+        if last_call:
+            deadline = None
+        urgent = "preemption" if jit else "deadline" if last_call else ""
+        reason = _checkpoint_reason(cfg, step, last_save, urgent, engine.device)
         if reason:
+            save_start = time.time()
             uri = checkpoint.save(
                 engine,
                 run_uri,
@@ -233,13 +259,14 @@ def train_loop(args: dict[str, Any]) -> None:
                 cfg.checkpoint.keep_last,
             )
             last_save = time.time()
+            save_seconds = last_save - save_start
             metrics.update(step=step, checkpoint=uri)
             if timeline:
                 timeline.checkpoint_saved.remote(step, reason)
                 if jit:
                     timeline.preemption_notice.remote()
         if metrics:
-            _report(metrics, optim.max_steps)
+            _report(metrics, optim.max_steps, report)
 
     export_model(
         engine,

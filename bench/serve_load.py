@@ -1,0 +1,212 @@
+"""P6a/P6b/P6c: serving throughput, latency, Serve's overhead and the cost and gain of int8.
+
+    python bench/serve_load.py [--checkpoint RUN_OR_EXPORT] [--seconds 12] [--max-tokens 32]
+
+Without --checkpoint it first trains a 4-layer, 256-wide byte-level GPT (the tiny recipe, wider)
+for a few minutes. Then, on one local Ray with one Serve replica (1 CPU, one torch thread):
+- P6a: requests/s and p50/p99 latency at 1, 8, 32 and 64 concurrent clients for continuous
+  batching, Ray's ``@serve.batch`` and no batching (a batch of one), all int8;
+- P6b: throughput through Serve at 32 clients / the engine's own throughput with 32 requests
+  in flight in-process, no HTTP;
+- P6c: int8 / fp32 throughput at 32 clients through Serve, and validation perplexity of the
+  served int8 model vs fp32 (computed through the serving decoder, head included).
+Every client sends a prompt of 32 bytes cut from the validation split and asks for
+``--max-tokens`` greedy tokens. Prints a JSON report.
+"""
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import statistics
+import tempfile
+import time
+
+import aiohttp
+import numpy as np
+import ray
+import torch
+from ray import serve
+
+from serve.app import build_app, resolve_export
+from serve.decoder import Decoder
+from serve.engine import ContinuousBatcher, Engine, GenerationParams
+from train.config import config_from_dict, load_config
+from train.data import load_split
+from train.export import load_exported
+from train.launch import dataset_path
+from train.tokenizer import ByteTokenizer
+
+CLIENTS = (1, 8, 32, 64)
+PROMPT_BYTES = 32
+
+
+def train_model(storage_path: str) -> str:
+    from train.launch import run_training
+
+    cfg = load_config(
+        "tiny",
+        [
+            f"run.storage_path={storage_path}",
+            "run.name=serve-bench",
+            "model.n_layer=4",
+            "model.d_model=256",
+            "optim.max_steps=150",
+            "run.eval_every=150",
+        ],
+    )
+    return run_training(cfg).export
+
+
+def prompts_from(rows: np.ndarray, count: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    texts = []
+    while len(texts) < count:
+        row = rows[rng.randrange(len(rows))]
+        start = rng.randrange(len(row) - PROMPT_BYTES)
+        text = bytes(int(t) for t in row[start : start + PROMPT_BYTES] if t < 256).decode("utf-8", "ignore")
+        if text.strip():
+            texts.append(text)
+    return texts
+
+
+async def load(url: str, clients: int, seconds: float, prompts: list[str], max_tokens: int) -> dict:
+    """``clients`` closed-loop clients for ``seconds``; requests/s, tokens/s and latency percentiles."""
+    latencies, tokens, failures = [], [], 0
+    deadline = time.perf_counter() + seconds
+
+    async def client(index: int, session: aiohttp.ClientSession) -> None:
+        nonlocal failures
+        i = index
+        while time.perf_counter() < deadline:
+            body = {"prompt": prompts[i % len(prompts)], "max_tokens": max_tokens, "temperature": 0}
+            i += clients
+            start = time.perf_counter()
+            async with session.post(f"{url}/v1/completions", json=body) as reply:
+                result = await reply.json()
+            if reply.status != 200:
+                failures += 1
+                continue
+            latencies.append(time.perf_counter() - start)
+            tokens.append(result["usage"]["completion_tokens"])
+
+    start = time.perf_counter()
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        await asyncio.gather(*(client(i, session) for i in range(clients)))
+    wall = time.perf_counter() - start
+    latencies.sort()
+    return {
+        "requests_per_s": len(latencies) / wall,
+        "tokens_per_s": sum(tokens) / wall,
+        "p50_s": statistics.median(latencies),
+        "p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+        "failures": failures,
+    }
+
+
+def engine_throughput(export: str, prompts: list[str], in_flight: int, seconds: float, max_tokens: int) -> float:
+    """Requests/s of the continuous-batching engine alone, ``in_flight`` requests at all times."""
+    model, _ = load_exported(export)
+    batcher = ContinuousBatcher(Engine(Decoder(model, in_flight, "int8"), ByteTokenizer()))
+    params = GenerationParams(max_tokens=max_tokens, temperature=0.0)
+    done = 0
+
+    async def client(index: int, deadline: float) -> None:
+        nonlocal done
+        i = index
+        while time.perf_counter() < deadline:
+            prompt = [int(t) for t in ByteTokenizer().encode(prompts[i % len(prompts)])]
+            i += in_flight
+            async for _ in batcher.generate(prompt, params):
+                pass
+            done += 1
+
+    async def run() -> float:
+        start = time.perf_counter()
+        await asyncio.gather(*(client(i, start + seconds) for i in range(in_flight)))
+        return done / (time.perf_counter() - start)
+
+    return asyncio.run(run())
+
+
+def perplexity(export: str, precision: str, rows: np.ndarray) -> float:
+    """exp(mean next-token cross-entropy) of ``rows`` through the serving decoder at ``precision``."""
+    model, _ = load_exported(export)
+    decoder = Decoder(model, 1, precision)
+    losses = []
+    for row in rows:
+        tokens = [int(t) for t in row]
+        logits = decoder.prefill(0, tokens[:-1])
+        losses.append(torch.nn.functional.cross_entropy(logits, torch.tensor(tokens[1:])).item())
+    return math.exp(sum(losses) / len(losses))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--checkpoint", help="a training run or export dir; default: train one first")
+    parser.add_argument("--seconds", type=float, default=12.0, help="load duration per measurement")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--port", type=int, default=8765)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    ray.init(address="local", _temp_dir=tempfile.mkdtemp(prefix="/tmp/rwb-"))
+    export = resolve_export(args.checkpoint or train_model(tempfile.mkdtemp(prefix="rw-serve-bench-")))
+    _, info = load_exported(export)
+    val = load_split(dataset_path(config_from_dict(info["provenance"]["config"])), "val")
+    prompts = prompts_from(val, 256)
+    report: dict = {"model": info["model"], "max_tokens": args.max_tokens, "seconds_per_point": args.seconds}
+
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    url = f"http://127.0.0.1:{args.port}"
+    variants = [("continuous", "int8", CLIENTS), ("serve_batch", "int8", CLIENTS), ("none", "int8", CLIENTS)]
+    variants.append(("continuous", "fp32", (32,)))
+    results: dict = {}
+    for batching, precision, levels in variants:
+        app = build_app(
+            {
+                "checkpoint": export,
+                "batching": batching,
+                "precision": precision,
+                "max_batch_size": 64,
+                "max_ongoing_requests": 64,
+                "max_queued_requests": 1024,
+            }
+        )
+        serve.run(app, name="bench", route_prefix="/")
+        asyncio.run(load(url, 4, 2.0, prompts, args.max_tokens))  # warm up
+        for clients in levels:
+            point = asyncio.run(load(url, clients, args.seconds, prompts, args.max_tokens))
+            results[f"{batching}/{precision}/{clients}"] = point
+            print(batching, precision, clients, json.dumps(point), flush=True)
+        serve.delete("bench")
+    serve.shutdown()
+
+    engine_rps = engine_throughput(export, prompts, 32, args.seconds, args.max_tokens)
+    ppl = {precision: perplexity(export, precision, val[:64]) for precision in ("fp32", "int8")}
+    at32 = {
+        name: results[f"{name}/32"]["requests_per_s"]
+        for name in ("continuous/int8", "serve_batch/int8", "none/int8", "continuous/fp32")
+    }
+    report.update(
+        {
+            "points": results,
+            "P6a_continuous_over_no_batching_32": at32["continuous/int8"] / at32["none/int8"],
+            "P6a_serve_batch_over_no_batching_32": at32["serve_batch/int8"] / at32["none/int8"],
+            "P6b_serve_over_engine_32": at32["continuous/int8"] / engine_rps,
+            "engine_requests_per_s_32": engine_rps,
+            "P6c_int8_over_fp32_32": at32["continuous/int8"] / at32["continuous/fp32"],
+            "perplexity": ppl,
+            "P6c_perplexity_rise": ppl["int8"] / ppl["fp32"] - 1,
+            "cpus": os.cpu_count(),
+        }
+    )
+    print(json.dumps(report, indent=2))
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""Numeric precision of a served model, chosen at load time: fp32, bf16, int8 or fp8.
+
+On CPU, ``int8`` swaps every Linear layer for ``Int8Linear``: int8 weights with one scale per
+output channel, activations quantized per row (per token) at run time, and an exact integer
+matmul. Because each row has its own scale and integer sums are exact, a row's result never
+depends on the other rows of the batch: a request decodes to the same tokens alone or inside
+any batch. (PyTorch's ``quantize_dynamic`` picks one activation scale for the whole batch, so
+a request's output would change with its neighbours.)
+
+On a GPU, ``int8`` (weight-only) and ``fp8`` go through torchao, the usual route there.
+"""
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+Precision = Literal["fp32", "bf16", "int8", "fp8"]
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "int8", "fp8")
+
+
+class Int8Linear(nn.Module):
+    """A Linear layer computed as int8 x int8 -> int32, rescaled per row and per output channel."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        weight = linear.weight.detach().float()
+        scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
+        # Stored transposed, (in, out), the layout torch._int_mm wants for its second operand.
+        self.register_buffer("weight_t", torch.round(weight / scale[:, None]).to(torch.int8).t().contiguous())
+        self.register_buffer("weight_scale", scale)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        row_scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+        quantized = torch.round(rows / row_scale).to(torch.int8)
+        out = torch._int_mm(quantized, self.weight_t).float() * row_scale * self.weight_scale
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _swap_linears(module: nn.Module) -> None:
+    for name, child in module.named_children():
+        if isinstance(child, nn.Linear):
+            setattr(module, name, Int8Linear(child))
+        else:
+            _swap_linears(child)
+
+
+def _torchao_quantize(module: nn.Module, precision: str) -> None:
+    try:
+        from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+    except ImportError:
+        raise ValueError(f"precision {precision!r} on a GPU needs torchao: pip install torchao") from None
+    quantize_(module, Int8WeightOnlyConfig() if precision == "int8" else Float8WeightOnlyConfig())
+
+
+def apply_precision(module: nn.Module, precision: str, device: torch.device) -> nn.Module:
+    """``module`` on ``device`` at ``precision``, modified in place and returned."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not one of {list(PRECISIONS)}")
+    if precision == "fp8" and device.type != "cuda":
+        raise ValueError("precision 'fp8' needs a GPU; on CPU use 'int8'")
+    module.to(device)
+    if precision == "bf16":
+        module.to(torch.bfloat16)
+    elif precision == "int8" and device.type == "cpu":
+        _swap_linears(module)
+    elif precision in ("int8", "fp8"):
+        module.to(torch.bfloat16)
+        _torchao_quantize(module, precision)
+    return module.eval()

@@ -1,0 +1,130 @@
+"""The serving engine without Ray: precision, KV-cache decoding, sampling, text streaming, continuous batching."""
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from serve.decoder import Decoder
+from serve.engine import ContinuousBatcher, Engine, GenerationParams, Sequence
+from serve.precision import Int8Linear, apply_precision
+from serve.sampling import make_generator, next_token
+from serve.textstream import TextStream
+from tests.conftest import MEMORIZED_TEXT
+from train.export import load_exported
+from train.model import GPT, ModelConfig
+from train.tokenizer import ByteTokenizer
+
+TOKENIZER = ByteTokenizer()
+PROMPTS = ["Grüße", "3 € für", "und 🚀. Grüße aus Köln", "K", "für ☕", "aus Köln: 3", "Gr", "🚀"]
+
+
+def encode(text: str) -> list[int]:
+    return [int(t) for t in TOKENIZER.encode(text)]
+
+
+def make_engine(export: str, precision: str, max_batch: int = 8) -> Engine:
+    model, _ = load_exported(export)
+    return Engine(Decoder(model, max_batch, precision), TOKENIZER)
+
+
+def test_int8_linear_is_close_to_float_and_independent_of_the_batch():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48)
+    quantized = Int8Linear(linear)
+    x = torch.randn(16, 64)
+    relative = (quantized(x) - linear(x)).norm() / linear(x).norm()
+    assert relative < 0.02
+    # Each row gets its own activation scale: a row's output is the same alone or among others.
+    assert torch.equal(quantized(x[3:4]), quantized(x)[3:4])
+
+
+def test_fp8_is_refused_on_cpu():
+    with pytest.raises(ValueError, match="fp8"):
+        apply_precision(torch.nn.Linear(2, 2), "fp8", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_kv_cache_decoding_matches_the_full_forward(precision):
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(seq_len=32, n_layer=2, n_head=2, d_model=32)).eval()
+    reference = GPT(model.cfg).eval()
+    reference.load_state_dict(model.state_dict())
+    if precision == "int8":
+        apply_precision(reference, "int8", torch.device("cpu"))
+    decoder = Decoder(model, max_batch=2, precision=precision)
+    prompts = [[5, 6, 7, 8, 9], [200, 201]]
+    tolerance = 1e-5 if precision == "fp32" else 0.05  # int8 also quantizes the head the reference keeps in float
+    for slot, prompt in enumerate(prompts):
+        prefilled = decoder.prefill(slot, prompt[:-1])
+        assert torch.allclose(prefilled, reference(torch.tensor([prompt[:-1]]))[0], atol=tolerance)
+    logits = decoder.decode([p[-1] for p in prompts], [len(p) - 1 for p in prompts])
+    for row, prompt in zip(logits, prompts, strict=True):
+        assert torch.allclose(row, reference(torch.tensor([prompt]))[0, -1], atol=tolerance)
+
+
+def test_sampling_greedy_top_p_and_seed():
+    logits = torch.tensor([0.0, 3.0, 1.0, 2.9])
+    assert next_token(logits, 0.0, 1.0, None) == 1
+    # A tiny nucleus holds only the most likely token.
+    assert {next_token(logits, 1.0, 0.01, make_generator(s)) for s in range(20)} == {1}
+    draws = [[next_token(logits, 1.0, 1.0, make_generator(7)) for _ in range(5)] for _ in range(2)]
+    assert draws[0] == draws[1]
+    assert len({next_token(logits, 1.0, 1.0, make_generator(s)) for s in range(50)}) > 1
+
+
+def test_text_stream_joins_to_the_full_text_and_stops_across_chunks():
+    data = "Köln 🚀 ende\n\nrest".encode()
+    stream = TextStream(stop=["\n\n"])
+    chunks = [stream.push(data[i : i + 1]) for i in range(len(data))]
+    assert "".join(chunks) + stream.finish() == "Köln 🚀 ende"
+    assert stream.stopped
+    # Text that might begin a stop sequence is held back until it cannot.
+    stream = TextStream(stop=["xyz"])
+    assert stream.push(b"abx") == "ab"
+    assert stream.push(b"y") == ""
+    assert stream.push(b"!") == "xy!"
+    # A character cut off by the end of generation becomes one replacement character.
+    stream = TextStream(stop=[])
+    assert stream.push("€".encode()[:2]) == ""
+    assert stream.finish() == "\ufffd"
+
+
+def test_memorized_text_is_recited_with_its_multibyte_characters(memorized_export):
+    engine = make_engine(memorized_export, "int8")
+    (text,) = engine.run_batch([Sequence(encode("Grüße aus"), GenerationParams(max_tokens=40, temperature=0.0))])
+    assert text == (MEMORIZED_TEXT * 2)[len("Grüße aus") :][: len(text)]
+    assert "€" in text and "☕" in text
+
+
+def test_stop_sequences_and_max_tokens(memorized_export):
+    engine = make_engine(memorized_export, "int8")
+    stopped = Sequence(encode("Grüße"), GenerationParams(max_tokens=60, temperature=0.0, stop=["€"]))
+    limited = Sequence(encode("Grüße"), GenerationParams(max_tokens=5, temperature=0.0))
+    assert engine.run_batch([stopped, limited]) == [" aus Köln: 3 ", " aus "]
+    assert (stopped.finish_reason, limited.finish_reason) == ("stop", "length")
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp32"])
+def test_continuous_batching_gives_each_request_its_text_alone(memorized_export, precision):
+    """Greedy and seeded requests arriving at random times, joining and leaving a shared batch."""
+    params = [GenerationParams(max_tokens=10 + 7 * i, temperature=0.0 if i % 2 else 0.8, seed=i) for i in range(8)]
+    alone = [
+        make_engine(memorized_export, precision, max_batch=1).run_batch([Sequence(encode(p), q)])[0]
+        for p, q in zip(PROMPTS, params, strict=True)
+    ]
+    engine = make_engine(memorized_export, precision, max_batch=4)  # fewer slots than requests: some wait
+    batch_sizes = []
+    batcher = ContinuousBatcher(engine, on_step=lambda size, queued, seconds: batch_sizes.append(size))
+
+    async def one(prompt: str, p: GenerationParams, delay: float) -> str:
+        await asyncio.sleep(delay)
+        return "".join([chunk.text async for chunk in batcher.generate(encode(prompt), p)])
+
+    async def all_at_once() -> list[str]:
+        rng = random.Random(0)
+        return await asyncio.gather(*(one(x, p, rng.uniform(0, 0.05)) for x, p in zip(PROMPTS, params, strict=True)))
+
+    assert asyncio.run(all_at_once()) == alone
+    assert max(batch_sizes) == 4

@@ -1,0 +1,177 @@
+"""Sweeps of the real training loop on a real Ray: ASHA, concurrency, best recipe, resume, pre-emption, notebook."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import nbclient
+import nbformat
+import pandas as pd
+import pytest
+import yaml
+from ray.util.state import list_actors
+
+from train.config import ConfigError, load_config
+from train.launch import run_training
+from tune.__main__ import main as tune_main
+from tune.config import sweep_config_from_dict
+from tune.sweep import resume_sweep, run_sweep
+
+REPO = Path(__file__).resolve().parent.parent
+SPACE = {
+    "optim.lr": {"loguniform": [1e-4, 3e-2]},
+    "optim.warmup_steps": {"int": [0, 10]},
+    "model.d_model": {"choice": [64, 128]},
+}
+SHORT = ["optim.max_steps=40", "optim.warmup_steps=5", "run.eval_every=10", "checkpoint.every_steps=10"]
+
+
+def max_overlap(trials: pd.DataFrame) -> int:
+    """The most trials that were running at one moment."""
+    events = sorted([(t, 1) for t in trials["started"]] + [(t, -1) for t in trials["ended"]])
+    running = most = 0
+    for _, change in events:
+        running += change
+        most = max(most, running)
+    return most
+
+
+BAD_SPACES = [
+    ({"optim.lr": {"loguniform": [0, 1e-2]}}, "space.optim.lr"),
+    ({"optim.lrate": {"choice": [1e-3]}}, "optim.lrate"),
+    ({"model.d_model": {"normal": [64, 128]}}, "space.model.d_model"),
+    ({"optim.warmup_steps": {"int": [0.5, 3]}}, "space.optim.warmup_steps"),
+    ({"optim.micro_batch_size": {"choice": [8, 3]}}, "optim.micro_batch_size"),  # 3 does not divide 16
+    ({"deepspeed.zero_stage": {"choice": [2, 4]}}, "deepspeed.zero_stage"),
+]
+
+
+@pytest.mark.parametrize(("space", "named"), BAD_SPACES, ids=[named for _, named in BAD_SPACES])
+def test_bad_search_space_gets_an_error_naming_the_parameter(space, named):
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        sweep_config_from_dict({"base": "tiny", "space": space})
+
+
+def test_cli_rejects_a_bad_sweep_file_before_starting_ray(tmp_path, capsys):
+    bad = tmp_path / "sweep-bad.yaml"
+    bad.write_text(yaml.safe_dump({"name": "bad", "space": {"optim.lr": {"choice": []}}}))
+    assert tune_main(["--config", str(bad)]) == 2
+    assert "space.optim.lr" in capsys.readouterr().err
+    assert tune_main(["--config", "configs/sweep-tiny.yaml", "--set", "num_trials=0"]) == 2
+    assert "num_trials" in capsys.readouterr().err
+    assert tune_main(["--resume", str(tmp_path)]) == 2
+
+
+def test_notebook_sweep_stops_trials_early_runs_them_concurrently_and_its_best_recipe_trains(
+    ray_session, tiny_dataset, tmp_path
+):
+    """The notebook, executed headless against this session's Ray, is the small sweep under test."""
+    notebook = nbformat.read(REPO / "notebooks" / "sweep.ipynb", as_version=4)
+    env = {"RAY_ADDRESS": ray_session.address, "SWEEP_STORAGE": str(tmp_path), "SWEEP_RECIPE_DIR": str(tmp_path)}
+    os.environ.update(env)
+    try:
+        nbclient.NotebookClient(notebook, timeout=900, resources={"metadata": {"path": str(REPO)}}).execute()
+    finally:
+        for key in env:
+            os.environ.pop(key)
+    images = [o for c in notebook.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+    assert len(images) == 3  # history, importances, rungs
+
+    sweep = tmp_path / "sweeps" / "notebook"
+    trials = pd.read_csv(sweep / "trials.csv")
+    assert len(trials) == 6 and not trials["error"].any()
+    assert trials["stopped_early"].any() and not trials["stopped_early"].all()  # ASHA stopped some, not all
+    assert max_overlap(trials) == 2  # max_concurrent_trials reached
+    for plot in ("optimization_history.png", "parameter_importances.png", "asha_rungs.png"):
+        assert (sweep / plot).stat().st_size > 1000
+
+    # The best recipe is a complete train recipe: it trains as it is.
+    recipe = tmp_path / "best-notebook.yaml"
+    cfg = load_config(str(recipe), [f"run.storage_path={tmp_path}/best"])
+    best = trials[~trials["stopped_early"]].sort_values("val_loss").iloc[0]
+    assert cfg.optim.lr == pytest.approx(best["optim.lr"]) and cfg.model.d_model == best["model.d_model"]
+    summary = run_training(cfg)
+    assert summary.steps == 40 and summary.final_val_loss < summary.initial_val_loss
+
+
+def test_sweep_resumes_after_its_driver_is_killed(ray_session, tiny_dataset, tmp_path):
+    sweep_file = tmp_path / "sweep-resume.yaml"
+    sweep_file.write_text(
+        yaml.safe_dump(
+            {
+                "name": "resume",
+                "base": "tiny",
+                "set": SHORT,
+                "space": SPACE,
+                "num_trials": 4,
+                "max_concurrent_trials": 2,
+                "early_stopping": "none",
+                "trial_resources": {"CPU": 1},
+                "storage_path": str(tmp_path),
+                "recipe_dir": str(tmp_path),
+                "ray_address": ray_session.address,
+            }
+        )
+    )
+    sweep = tmp_path / "sweeps" / "resume"
+    driver = subprocess.Popen([sys.executable, "-m", "tune", "--config", str(sweep_file)], cwd=REPO)
+    try:
+        deadline = time.time() + 600
+        # Kill the driver once two trials have finished (their exports exist) and others are under way.
+        while len(list(sweep.glob("trials/*/export/config.json"))) < 2:
+            assert driver.poll() is None and time.time() < deadline, "the sweep ended or stalled before the kill"
+            time.sleep(0.5)
+        finished_before = {p.parts[-3] for p in sweep.glob("trials/*/export/config.json")}
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+    result = resume_sweep(str(sweep))
+    trials = result.trials
+    assert len(trials) == 4 and not trials["error"].any() and (trials["steps"] == 40).all()
+    assert finished_before <= set(trials["trial_id"])  # finished trials kept, not re-run under new ids
+    assert Path(result.best_recipe).exists()
+
+
+def test_trial_resumes_from_its_checkpoint_on_another_spot_node(ray_session, tiny_dataset, tmp_path):
+    """A spot node is removed mid-trial: Tune restarts the trial on the other spot node, from its checkpoint."""
+    spot_nodes = [ray_session.add_node(num_cpus=1, resources={"spot": 1}) for _ in range(2)]
+    ray_session.wait_for_nodes()
+    result = []
+    options = {
+        "name": "preempt",
+        "set": [*SHORT, "optim.max_steps=80"],
+        "space": {"optim.lr": {"choice": [3e-3]}},
+        "num_trials": 1,
+        "storage_path": str(tmp_path),
+        "recipe_dir": str(tmp_path),
+        "trial_resources": {"CPU": 1, "spot": 0.01},
+    }
+    sweep_thread = threading.Thread(target=lambda: result.append(run_sweep("tiny", {}, **options)))
+    sweep_thread.start()
+    try:
+        checkpoints = tmp_path / "sweeps" / "preempt" / "trials"
+        deadline = time.time() + 300
+        saved = []
+        while not any(step >= 20 for step in saved):
+            assert sweep_thread.is_alive() and time.time() < deadline, "the trial never checkpointed step 20"
+            time.sleep(0.2)
+            saved = [int(p.parent.name[len("step_") :]) for p in checkpoints.glob("*/checkpoints/step_*/metadata.json")]
+        (trial_actor,) = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if "run_trial" in a.class_name]
+        lost = next(n for n in spot_nodes if n.node_id == trial_actor.node_id)
+        ray_session.remove_node(lost, allow_graceful=False)
+        sweep_thread.join(timeout=300)
+    finally:
+        for node in spot_nodes:
+            if node in ray_session.worker_nodes:
+                ray_session.remove_node(node)
+    (trial,) = result[0].trials.to_dict("records")
+    assert trial["steps"] == 80 and trial["node_id"] != lost.node_id
+    steps = [
+        int(s) for s in pd.read_csv(next((tmp_path / "sweeps" / "preempt").glob("run_trial*/progress.csv")))["step"]
+    ]
+    assert steps.count(0) == 1, f"the trial started over after the node loss: {steps}"
+    assert steps[-1] == 80

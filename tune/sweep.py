@@ -1,0 +1,170 @@
+"""Run, resume and summarize a sweep: Ray Tune + Optuna (TPE, seeded) + ASHA over the real training loop.
+
+    result = run_sweep("tiny", {"optim.lr": {"loguniform": [1e-4, 1e-2]}}, name="lr", num_trials=8)
+    result.trials          # a DataFrame, one row per trial
+    result.best_recipe     # configs/best-lr.yaml: `python -m train --config configs/best-lr.yaml`
+
+Results live in ``<storage>/sweeps/<name>/``: Tune's experiment state (``resume_sweep`` picks it
+up, Optuna's state and finished trials included), each trial's training run under ``trials/``,
+``trials.csv``, the plots, and a copy of the best recipe.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import yaml
+from ray import tune
+from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+from ray.tune.search import ConcurrencyLimiter
+from ray.tune.search.basic_variant import BasicVariantGenerator
+from ray.tune.search.optuna import OptunaSearch
+
+from train import storage
+from train.config import CONFIG_DIR
+from train.launch import ensure_dataset, init_ray
+from tune.config import SweepConfig, sweep_config_from_dict, tune_space
+from tune.plots import save_plots
+from tune.trial import run_trial, sweep_dir, trial_config
+
+SWEEP_FILE = "sweep.yaml"
+
+
+@dataclass
+class SweepResult:
+    path: str  # the sweep directory
+    trials: pd.DataFrame
+    best: dict[str, Any]  # the best trial's row
+    best_recipe: str  # path of the train recipe with the best parameters
+    plots: list[str]
+
+
+def _trainable(sweep: SweepConfig):
+    address = [f"run.ray_address={sweep.ray_address}"] if sweep.ray_address else []
+    cfg = sweep.base_config([f"run.storage_path={_storage_root(sweep)}", *address])
+    init_ray(cfg)
+    data_path, manifest = ensure_dataset(cfg)  # prepared once by the driver, read by every trial
+    trainable = tune.with_parameters(run_trial, sweep=sweep, data_path=data_path, manifest=manifest)
+    return tune.with_resources(trainable, sweep.trial_resources), data_path
+
+
+def _storage_root(sweep: SweepConfig) -> str:
+    return sweep.storage_path or sweep.base_config().run.storage_path
+
+
+def _tuner_parts(sweep: SweepConfig):
+    if sweep.search == "tpe":
+        searcher = ConcurrencyLimiter(
+            OptunaSearch(metric=sweep.metric, mode="min", seed=sweep.seed), sweep.max_concurrent_trials
+        )
+    else:
+        searcher = BasicVariantGenerator(random_state=sweep.seed, max_concurrent=sweep.max_concurrent_trials)
+    max_steps = sweep.base_config().optim.max_steps  # the space may not change it: rungs are in steps
+    scheduler = (
+        ASHAScheduler(
+            time_attr="step",
+            metric=sweep.metric,
+            mode="min",
+            max_t=max_steps,
+            grace_period=sweep.grace_period,
+            reduction_factor=sweep.reduction_factor,
+        )
+        if sweep.early_stopping == "asha"
+        else FIFOScheduler()
+    )
+    return searcher, scheduler
+
+
+def run_sweep(base_config: str, search_space: dict[str, dict], **options: Any) -> SweepResult:
+    """Sweep ``search_space`` over the train recipe ``base_config``; ``options`` are SweepConfig fields."""
+    return run_sweep_config(sweep_config_from_dict({"base": base_config, "space": search_space, **options}))
+
+
+def run_sweep_config(sweep: SweepConfig) -> SweepResult:
+    trainable, data_path = _trainable(sweep)
+    path = sweep_dir(sweep)
+    storage.write_bytes(storage.join(path, SWEEP_FILE), yaml.safe_dump(sweep.to_dict()).encode())
+    searcher, scheduler = _tuner_parts(sweep)
+    tuner = tune.Tuner(
+        trainable,
+        param_space=tune_space(sweep.space),
+        tune_config=tune.TuneConfig(
+            search_alg=searcher,
+            scheduler=scheduler,
+            num_samples=sweep.num_trials,
+            max_concurrent_trials=sweep.max_concurrent_trials,
+        ),
+        run_config=tune.RunConfig(
+            name=sweep.name,
+            storage_path=storage.absolute(storage.join(_storage_root(sweep), "sweeps")),
+            failure_config=tune.FailureConfig(max_failures=sweep.max_failures),
+        ),
+    )
+    return summarize(sweep, tuner.fit(), data_path)
+
+
+def resume_sweep(path: str) -> SweepResult:
+    """Finish an interrupted sweep: finished trials are kept, unfinished ones resume from their checkpoints."""
+    try:
+        values = yaml.safe_load(storage.read_bytes(storage.join(path, SWEEP_FILE)))
+    except (FileNotFoundError, OSError):
+        raise FileNotFoundError(f"--resume: {path} holds no {SWEEP_FILE}; is it a sweep directory?") from None
+    sweep = sweep_config_from_dict(values)
+    trainable, data_path = _trainable(sweep)
+    tuner = tune.Tuner.restore(storage.absolute(path), trainable=trainable, resume_unfinished=True, resume_errored=True)
+    return summarize(sweep, tuner.fit(), data_path)
+
+
+def summarize(sweep: SweepConfig, results, data_path: str) -> SweepResult:
+    """The trials table, the best recipe and the plots of a finished sweep."""
+    max_steps = sweep.base_config().optim.max_steps
+    rows, curves = [], {}
+    for result in results:
+        history = result.metrics_dataframe
+        if history is None or sweep.metric not in history:
+            continue
+        trial_id = result.metrics["trial_id"]
+        params = {key: result.config[key] for key in sweep.space}
+        curves[trial_id] = history[["step", sweep.metric]].drop_duplicates("step", keep="last")
+        rows.append(
+            {
+                "trial_id": trial_id,
+                **params,
+                "val_loss": float(history[sweep.metric].iloc[-1]),
+                "steps": int(history["step"].iloc[-1]),
+                "stopped_early": int(history["step"].iloc[-1]) < max_steps,
+                "error": result.error is not None,
+                "started": float(history["trial_start"].min()),
+                "ended": float(history["time"].max()),
+                "node_id": result.metrics.get("node_id"),
+            }
+        )
+    if not rows:
+        raise RuntimeError(
+            f"sweep {sweep.name}: no trial reported {sweep.metric}; see the trial logs in {sweep_dir(sweep)}"
+        )
+    trials = pd.DataFrame(rows).sort_values("started").reset_index(drop=True)
+    finished = trials[~trials["stopped_early"] & ~trials["error"]]
+    best = (finished if len(finished) else trials).sort_values("val_loss").iloc[0].to_dict()
+    path = sweep_dir(sweep)
+    storage.write_bytes(storage.join(path, "trials.csv"), trials.to_csv(index=False).encode())
+    recipe = write_best_recipe(sweep, best, data_path)
+    plots = save_plots(sweep, trials, curves, path)
+    return SweepResult(path, trials, best, recipe, plots)
+
+
+def write_best_recipe(sweep: SweepConfig, best: dict[str, Any], data_path: str) -> str:
+    """configs/best-<sweep>.yaml: the base recipe with the best parameters, complete and ready to train."""
+    cfg = trial_config(sweep, {key: best[key] for key in sweep.space}, f"best-{sweep.name}", data_path)
+    cfg.run.storage_path = _storage_root(sweep)
+    recipe_dir = Path(sweep.recipe_dir) if sweep.recipe_dir else CONFIG_DIR
+    header = (
+        f"# Best of sweep {sweep.name!r}: trial {best['trial_id']}, {sweep.metric} {best['val_loss']:.4f} "
+        f"after {best['steps']} steps.\n# Train it: python -m train --config {recipe_dir / f'best-{sweep.name}.yaml'}\n"
+    )
+    text = header + yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    target = recipe_dir / f"best-{sweep.name}.yaml"
+    target.write_text(text)
+    storage.write_bytes(storage.join(sweep_dir(sweep), target.name), text.encode())
+    return str(target)
