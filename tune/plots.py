@@ -39,6 +39,7 @@ def parameter_importances(sweep: SweepConfig, trials: pd.DataFrame) -> dict[str,
 
 def save_plots(sweep: SweepConfig, trials: pd.DataFrame, curves: dict[str, pd.DataFrame], path: str) -> list[str]:
     """Write the plots into ``path`` (local or URI); their paths."""
+    trials = trials[trials["val_loss"].notna()]  # trials that failed before reporting have nothing to plot
     figures = {}
 
     fig, ax = plt.subplots(figsize=(6, 4))

@@ -9,6 +9,7 @@ up, Optuna's state and finished trials included), each trial's training run unde
 ``trials.csv``, the plots, and a copy of the best recipe.
 """
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,30 +123,26 @@ def summarize(sweep: SweepConfig, results, data_path: str) -> SweepResult:
     rows, curves = [], {}
     for result in results:
         history = result.metrics_dataframe
-        if history is None or sweep.metric not in history:
-            continue
-        trial_id = result.metrics["trial_id"]
-        params = {key: result.config[key] for key in sweep.space}
-        curves[trial_id] = history[["step", sweep.metric]].drop_duplicates("step", keep="last")
-        rows.append(
-            {
-                "trial_id": trial_id,
-                **params,
-                "val_loss": float(history[sweep.metric].iloc[-1]),
-                "steps": int(history["step"].iloc[-1]),
-                "stopped_early": int(history["step"].iloc[-1]) < max_steps,
-                "error": result.error is not None,
-                "started": float(history["trial_start"].min()),
-                "ended": float(history["time"].max()),
-                "node_id": result.metrics.get("node_id"),
-            }
-        )
-    if not rows:
-        raise RuntimeError(
-            f"sweep {sweep.name}: no trial reported {sweep.metric}; see the trial logs in {sweep_dir(sweep)}"
-        )
+        reported = history is not None and sweep.metric in history
+        row = {
+            # A trial that failed before its first report has no metrics: its id is in its directory name.
+            "trial_id": result.metrics.get("trial_id") or os.path.basename(result.path).split("_")[2],
+            **{key: result.config[key] for key in sweep.space},
+            "val_loss": float(history[sweep.metric].iloc[-1]) if reported else float("nan"),
+            "steps": int(history["step"].iloc[-1]) if reported else 0,
+            "stopped_early": reported and int(history["step"].iloc[-1]) < max_steps,
+            "error": result.error is not None,
+            "started": float(history["trial_start"].min()) if reported else float("nan"),
+            "ended": float(history["time"].max()) if reported else float("nan"),
+            "node_id": result.metrics.get("node_id"),
+        }
+        if reported:
+            curves[row["trial_id"]] = history[["step", sweep.metric]].drop_duplicates("step", keep="last")
+        rows.append(row)
+    if not curves:
+        raise RuntimeError(f"sweep {sweep.name}: no trial reported {sweep.metric}; see the logs in {sweep_dir(sweep)}")
     trials = pd.DataFrame(rows).sort_values("started").reset_index(drop=True)
-    finished = trials[~trials["stopped_early"] & ~trials["error"]]
+    finished = trials[~trials["stopped_early"] & ~trials["error"] & trials["val_loss"].notna()]
     best = (finished if len(finished) else trials).sort_values("val_loss").iloc[0].to_dict()
     path = sweep_dir(sweep)
     storage.write_bytes(storage.join(path, "trials.csv"), trials.to_csv(index=False).encode())

@@ -26,9 +26,10 @@ def trial_config(sweep: SweepConfig, params: dict[str, Any], trial_id: str, data
     return sweep.base_config(
         [
             *(override(key, value) for key, value in params.items()),
-            f"run.name={trial_id}",
-            f"run.storage_path={storage.join(sweep_dir(sweep), 'trials')}",
-            f"data.path={data_path}",
+            # Quoted: a trial id of digits only would otherwise be read as a number.
+            override("run.name", trial_id),
+            override("run.storage_path", storage.join(sweep_dir(sweep), "trials")),
+            override("data.path", data_path),
         ]
     )
 
