@@ -1,0 +1,145 @@
+"""cluster.yaml offline (Ray's schema, security properties, Ray's AWS provider on moto) and the spot drainer."""
+
+import copy
+import json
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import boto3
+import pytest
+import ray
+import yaml
+from moto import mock_aws
+from ray.autoscaler._private.aws.config import bootstrap_aws
+from ray.autoscaler._private.aws.node_provider import AWSNodeProvider
+from ray.autoscaler._private.util import prepare_config, validate_config
+from ray.autoscaler.tags import NODE_KIND_WORKER, TAG_RAY_NODE_KIND, TAG_RAY_NODE_NAME, TAG_RAY_USER_NODE_TYPE
+
+from cluster.spot_drainer import Imds, watch
+
+REPO = Path(__file__).resolve().parent.parent
+WORKER_TYPES = {"gpu.ondemand": None, "gpu.spot": "spot", "cpu.spot": "spot"}  # type -> EC2 lifecycle
+
+
+@pytest.fixture(scope="module")
+def cluster_config() -> dict:
+    return yaml.safe_load((REPO / "cluster.yaml").read_text())
+
+
+def test_cluster_yaml_passes_rays_own_validation(cluster_config):
+    prepared = prepare_config(copy.deepcopy(cluster_config))
+    validate_config(prepared)
+    assert set(prepared["available_node_types"]) == {"ray.head.default", *WORKER_TYPES}
+
+
+def test_cluster_yaml_is_safe_by_default(cluster_config):
+    head = " ".join(cluster_config["head_start_ray_commands"])
+    workers = " ".join(cluster_config["worker_start_ray_commands"])
+    assert "--dashboard-host=127.0.0.1" in head and "0.0.0.0" not in head
+    assert cluster_config["provider"]["cache_stopped_nodes"] is False
+    # Token auth on every node, the token shipped by file_mounts.
+    assert "RAY_AUTH_MODE=token" in head and all(
+        "RAY_AUTH_MODE=token" in command for command in cluster_config["worker_start_ray_commands"][1:]
+    )
+    assert cluster_config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    assert "--address=$RAY_HEAD_IP:6379" in workers
+    # Pinned releases, never Ray's development wheel.
+    setup = " ".join(cluster_config["setup_commands"])
+    assert '"ray[train,tune,serve]==2.60.0"' in setup and "torch==2.13.0" in setup
+    assert "dev0" not in setup and "ray-wheels" not in setup
+    # The head runs no work; spot and on-demand capacity are told apart by resources.
+    types = cluster_config["available_node_types"]
+    assert types["ray.head.default"]["resources"] == {"CPU": 0}
+    for name, lifecycle in WORKER_TYPES.items():
+        market = types[name]["node_config"].get("InstanceMarketOptions", {}).get("MarketType")
+        assert market == lifecycle and types[name]["resources"] == {lifecycle or "ondemand": 1}
+    assert cluster_config["provider"]["security_group"]["IpPermissions"] == []
+
+
+def test_rays_aws_provider_on_moto_creates_every_worker_type_and_opens_only_ssh(cluster_config, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("MOTO_IAM_LOAD_MANAGED_POLICIES", "true")  # Ray attaches AWS-managed policies
+    region = cluster_config["provider"]["region"]
+    with mock_aws():
+        config = bootstrap_aws(prepare_config(copy.deepcopy(cluster_config)))
+        provider = AWSNodeProvider(config["provider"], config["cluster_name"])
+        for name in WORKER_TYPES:
+            tags = {TAG_RAY_NODE_KIND: NODE_KIND_WORKER, TAG_RAY_USER_NODE_TYPE: name, TAG_RAY_NODE_NAME: name}
+            provider.create_node(config["available_node_types"][name]["node_config"], tags, 1)
+        ec2 = boto3.client("ec2", region_name=region)
+        instances = [i for r in ec2.describe_instances()["Reservations"] for i in r["Instances"]]
+        launched = {
+            next(t["Value"] for t in i["Tags"] if t["Key"] == TAG_RAY_USER_NODE_TYPE): i.get("InstanceLifecycle")
+            for i in instances
+        }
+        assert launched == WORKER_TYPES
+        (group,) = ec2.describe_security_groups(GroupNames=["raywright-nodes"])["SecurityGroups"]
+        from_outside = [rule for rule in group["IpPermissions"] if rule.get("IpRanges")]
+        assert [(rule["FromPort"], rule["ToPort"]) for rule in from_outside] == [(22, 22)]
+
+
+@ray.remote(num_cpus=0, resources={"spot": 1})
+class SpotWorker:
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+
+class FakeImds(BaseHTTPRequestHandler):
+    """EC2's instance metadata service, IMDSv2 only: reads without the session token get 401."""
+
+    token = "fake-session-token"
+    notice: dict | None = None
+
+    def do_PUT(self):
+        assert self.path == "/latest/api/token" and self.headers["X-aws-ec2-metadata-token-ttl-seconds"]
+        self._reply(200, self.token)
+
+    def do_GET(self):
+        if self.headers.get("X-aws-ec2-metadata-token") != self.token:
+            return self._reply(401, "")
+        if self.path == "/latest/meta-data/instance-life-cycle":
+            return self._reply(200, "spot")
+        if self.path == "/latest/meta-data/spot/instance-action" and FakeImds.notice:
+            return self._reply(200, json.dumps(FakeImds.notice))
+        self._reply(404, "")
+
+    def _reply(self, status: int, body: str) -> None:
+        self.send_response(status)
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, *args):
+        pass
+
+
+def test_spot_notice_drains_the_node_with_the_notices_deadline(ray_session):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeImds)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    node = ray_session.add_node(num_cpus=1, resources={"spot": 1})
+    ray_session.wait_for_nodes()
+    # Work on the node, standing in for a training worker: Ray ends an idle node at once when drained.
+    worker = SpotWorker.remote()
+    ray.get(worker.node_id.remote())
+    imds = Imds(f"http://127.0.0.1:{server.server_address[1]}")
+    assert imds.get("instance-life-cycle") == "spot"
+    drained = []
+    watcher = threading.Thread(target=lambda: drained.append(watch(imds, node.node_id, 0.1, 120.0)))
+    watcher.start()
+    try:
+        time.sleep(1.0)
+        assert watcher.is_alive() and not drained  # no notice, no drain
+        deadline = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=60)
+        FakeImds.notice = {"action": "terminate", "time": deadline.strftime("%Y-%m-%dT%H:%M:%SZ")}
+        watcher.join(timeout=30)
+        assert drained == [True]
+        draining = ray._private.state.state.get_draining_nodes()
+        assert abs(draining[node.node_id] / 1000 - deadline.timestamp()) < 2
+    finally:
+        FakeImds.notice = None
+        server.shutdown()
+        ray.kill(worker)
+        ray_session.remove_node(node)
