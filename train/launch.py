@@ -66,12 +66,16 @@ def code_version() -> str:
 
 
 def init_ray(cfg: TrainConfig) -> None:
+    """Connect to ``run.ray_address``, or to the cluster of a Ray job (RAY_ADDRESS), else start a private Ray."""
     if ray.is_initialized():
         return
     if not cfg.scaling.use_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # inherited by the workers of a local Ray
-    if cfg.run.ray_address:
-        ray.init(address=cfg.run.ray_address)
+    # Inside a Ray job, RAY_ADDRESS is the cluster; an http:// one is a job API URL (for the job CLI).
+    job_cluster = os.environ.get("RAY_ADDRESS", "")
+    address = cfg.run.ray_address or ("" if job_cluster.startswith(("http://", "https://")) else job_cluster)
+    if address:
+        ray.init(address=address)
     else:  # a private embedded Ray, never one that happens to run on this machine
         ray.init(
             address="local", num_cpus=max(os.cpu_count() or 1, cfg.scaling.max_workers * cfg.scaling.cpus_per_worker)

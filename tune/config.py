@@ -40,6 +40,8 @@ class SweepConfig:
     max_concurrent_trials: int = 2
     seed: int = 0
     search: Literal["tpe", "random"] = "tpe"
+    # Random trials before TPE models the space; Optuna's default (10) is a whole small sweep.
+    tpe_startup_trials: int = 4
     early_stopping: Literal["asha", "none"] = "asha"
     grace_period: int = 10  # steps every trial trains before ASHA may stop it
     reduction_factor: int = 2  # ASHA keeps the best 1/reduction_factor of the trials at each rung
@@ -51,7 +53,7 @@ class SweepConfig:
     recipe_dir: str = ""  # where best-<name>.yaml goes; "" = this project's configs/
 
     def validate(self) -> None:
-        for key in ("num_trials", "max_concurrent_trials", "grace_period"):
+        for key in ("num_trials", "max_concurrent_trials", "grace_period", "tpe_startup_trials"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
         if self.reduction_factor < 2:

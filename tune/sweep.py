@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import optuna
 import pandas as pd
 import yaml
 from ray import tune
@@ -56,8 +57,9 @@ def _storage_root(sweep: SweepConfig) -> str:
 
 def _tuner_parts(sweep: SweepConfig):
     if sweep.search == "tpe":
+        sampler = optuna.samplers.TPESampler(seed=sweep.seed, n_startup_trials=sweep.tpe_startup_trials)
         searcher = ConcurrencyLimiter(
-            OptunaSearch(metric=sweep.metric, mode="min", seed=sweep.seed), sweep.max_concurrent_trials
+            OptunaSearch(metric=sweep.metric, mode="min", sampler=sampler), sweep.max_concurrent_trials
         )
     else:
         searcher = BasicVariantGenerator(random_state=sweep.seed, max_concurrent=sweep.max_concurrent_trials)

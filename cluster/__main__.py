@@ -1,0 +1,99 @@
+"""python -m cluster: the local twin and raywright's jobs on a Ray cluster.
+
+    python -m cluster up --local | down --local
+    python -m cluster submit {train,tune,serve} --config FILE [--set K=V ...] [--env K=V ...] [--follow]
+    python -m cluster logs JOB_ID [--follow]  |  status JOB_ID  |  stop JOB_ID  |  list
+Every job command takes --address (default: RAY_ADDRESS if http(s), else http://127.0.0.1:8265).
+"""
+
+import argparse
+import asyncio
+import sys
+
+from cluster.jobs import KINDS, JobError, connect, job_address, submit
+from train.config import ConfigError
+
+
+def _pairs(items: list[str], option: str) -> dict[str, str]:
+    pairs = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{option} {item!r} must look like KEY=VALUE")
+        pairs[key] = value
+    return pairs
+
+
+async def _follow(client, job_id: str) -> None:
+    async for lines in client.tail_job_logs(job_id):
+        print(lines, end="", flush=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m cluster", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name in ("up", "down"):
+        twin = commands.add_parser(name, help=f"{'start' if name == 'up' else 'stop'} the local twin")
+        twin.add_argument("--local", action="store_true", required=True, help="the fake_multinode twin on this machine")
+    run = commands.add_parser("submit", help="submit a train, tune or serve job")
+    run.add_argument("kind", choices=KINDS)
+    run.add_argument("--config", required=True, help="recipe name or YAML file inside this project")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    run.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment of the job")
+    run.add_argument("--follow", action="store_true", help="stream the job's logs until it ends")
+    for name in ("logs", "status", "stop"):
+        job = commands.add_parser(name, help=f"{name} of one job")
+        job.add_argument("job_id")
+        if name == "logs":
+            job.add_argument("--follow", action="store_true")
+    commands.add_parser("list", help="the cluster's jobs")
+    for sub in commands.choices.values():
+        if sub.prog.split()[-1] not in ("up", "down"):
+            sub.add_argument("--address", help="the cluster's job API URL")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command in ("up", "down"):
+            from cluster import local
+
+            if args.command == "up":
+                state = local.up()
+                print(f"local twin up: Ray at {state['address']}, job API at {state['dashboard']}")
+                print(f"export RAY_ADDRESS={state['dashboard']}")
+            else:
+                print(f"local twin down ({local.down()} processes stopped)")
+            return 0
+        if args.command == "submit":
+            job_id = submit(args.kind, args.config, args.set, args.address, _pairs(args.env, "--env"))
+            print(f"submitted {job_id} to {job_address(args.address)}", flush=True)
+            if args.follow:
+                asyncio.run(_follow(connect(args.address), job_id))
+            return 0
+        client = connect(args.address)
+        if args.command == "list":
+            for job in client.list_jobs():
+                print(f"{job.submission_id}  {job.status.value:<9}  {job.entrypoint}")
+        elif args.command == "status":
+            info = client.get_job_info(args.job_id)
+            print(f"{args.job_id}: {info.status.value}" + (f" ({info.message})" if info.message else ""))
+        elif args.command == "stop":
+            client.stop_job(args.job_id)
+            print(f"stop requested for {args.job_id}")
+        elif args.follow:
+            asyncio.run(_follow(client, args.job_id))
+        else:
+            print(client.get_job_logs(args.job_id), end="")
+        return 0
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    except (JobError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

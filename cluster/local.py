@@ -1,0 +1,91 @@
+"""The local twin of cluster.yaml: Ray's fake_multinode autoscaler on this machine.
+
+``up`` starts a Ray head (no CPUs, like the cloud head) whose autoscaler launches and removes
+"nodes" of cluster/local.yaml's types as work asks for their resources; ``down`` stops exactly
+the processes of that cluster (never a bare ``ray stop``, which would stop every Ray of the user).
+The twin's state (its config, ports, temp dir) lives in ``~/.raywright/local-cluster/``.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import yaml
+
+TWIN_CONFIG = Path(__file__).with_name("local.yaml")
+STATE_DIR = Path.home() / ".raywright" / "local-cluster"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def read_state(state_dir: Path = STATE_DIR) -> dict | None:
+    path = state_dir / "state.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def up(state_dir: Path = STATE_DIR) -> dict:
+    """Start the twin; its state: ``address`` (GCS), ``dashboard`` (job API URL), ``temp_dir``."""
+    if read_state(state_dir):
+        raise RuntimeError(f"a local twin is already up (state in {state_dir}); `python -m cluster down --local` first")
+    import ray
+
+    state_dir.mkdir(parents=True, exist_ok=True)
+    ip = ray.util.get_node_ip_address()
+    gcs_port, dashboard_port = _free_port(), _free_port()
+    config = yaml.safe_load(TWIN_CONFIG.read_text())
+    config["provider"]["gcs_address"] = f"{ip}:{gcs_port}"
+    autoscaler_config = state_dir / "autoscaler.yaml"
+    autoscaler_config.write_text(yaml.safe_dump(config))
+    temp_dir = tempfile.mkdtemp(prefix="/tmp/rwtwin-")
+    # Free ports for everything with a fixed default, so the twin runs beside another Ray on this machine.
+    command = [
+        "ray", "start", "--head", f"--port={gcs_port}", "--num-cpus=0",
+        f"--autoscaling-config={autoscaler_config}", f"--temp-dir={temp_dir}",
+        "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
+        f"--dashboard-agent-listen-port={_free_port()}", f"--ray-client-server-port={_free_port()}",
+        f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
+    ]  # fmt: skip
+    subprocess.run(command, env={**os.environ, "RAY_FAKE_CLUSTER": "1"}, check=True, capture_output=True)
+    state = {"address": f"{ip}:{gcs_port}", "dashboard": f"http://127.0.0.1:{dashboard_port}", "temp_dir": temp_dir}
+    (state_dir / "state.json").write_text(json.dumps(state))
+    return state
+
+
+def _processes_of(state: dict) -> list[psutil.Process]:
+    """Every process of the twin: its command line names the twin's temp dir or GCS address."""
+    marks = (state["temp_dir"], state["address"], f"--gcs_server_port={state['address'].rsplit(':', 1)[1]}")
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        command = " ".join(process.info["cmdline"] or [])
+        if process.pid != os.getpid() and any(mark in command for mark in marks):
+            found.append(process)
+    return found
+
+
+def down(state_dir: Path = STATE_DIR, grace_s: float = 10.0) -> int:
+    """Stop the twin's processes (SIGTERM, then SIGKILL); how many there were."""
+    state = read_state(state_dir)
+    if not state:
+        return 0
+    processes = _processes_of(state)
+    for process in processes:
+        try:
+            process.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(processes, timeout=grace_s)
+    for process in alive:
+        process.kill()
+    (state_dir / "state.json").unlink()
+    time.sleep(0.5)
+    return len(processes)
