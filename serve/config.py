@@ -4,10 +4,8 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-import yaml
-
 from serve.precision import PRECISIONS
-from train.config import ConfigError, apply_override, build_dataclass
+from train.config import build_config, read_tree
 
 
 @dataclass
@@ -55,24 +53,9 @@ class ServeConfig:
 
 
 def serve_config_from_dict(values: dict[str, Any]) -> ServeConfig:
-    config = build_dataclass(ServeConfig, values)
-    try:
-        config.validate()
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    return config
+    return build_config(ServeConfig, values)
 
 
 def load_serve_config(path: str | None = None, overrides: list[str] = ()) -> ServeConfig:
     """A ServeConfig from an optional YAML file plus ``key=value`` overrides."""
-    tree: dict[str, Any] = {}
-    if path:
-        try:
-            tree = yaml.safe_load(open(path)) or {}
-        except OSError as exc:
-            raise ConfigError(f"cannot read serve config {path}: {exc.strerror}") from None
-        if not isinstance(tree, dict):
-            raise ConfigError(f"{path}: a serve config must be a mapping of keys")
-    for override in overrides:
-        apply_override(tree, override)
-    return serve_config_from_dict(tree)
+    return serve_config_from_dict(read_tree(path, overrides, "serve config"))

@@ -3,10 +3,10 @@ import sys
 
 import pytest
 
-from train.config import CONFIG_DIR, ConfigError, load_config
+from train.config import ConfigError, load_config, recipe_names
 
 
-@pytest.mark.parametrize("recipe", sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+@pytest.mark.parametrize("recipe", recipe_names())
 def test_every_recipe_loads(recipe):
     load_config(recipe)
 

@@ -18,7 +18,7 @@ from ray.util.state import list_actors
 from train.config import ConfigError, load_config
 from train.launch import run_training
 from tune.__main__ import main as tune_main
-from tune.config import sweep_config_from_dict
+from tune.config import load_sweep_config, sweep_config_from_dict
 from tune.sweep import resume_sweep, run_sweep
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,6 +54,11 @@ BAD_SPACES = [
 def test_bad_search_space_gets_an_error_naming_the_parameter(space, named):
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
         sweep_config_from_dict({"base": "tiny", "space": space})
+
+
+@pytest.mark.parametrize("sweep", sorted(p.name for p in (REPO / "configs").glob("sweep-*.yaml")))
+def test_every_sweep_file_loads(sweep):
+    load_sweep_config(str(REPO / "configs" / sweep))
 
 
 def test_cli_rejects_a_bad_sweep_file_before_starting_ray(tmp_path, capsys):

@@ -253,6 +253,16 @@ def build_dataclass(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
+def build_config(cls: type, values: dict[str, Any]) -> Any:
+    """``build_dataclass`` then the config's own ``validate()``, whose ValueError becomes a ConfigError."""
+    config = build_dataclass(cls, values)
+    try:
+        config.validate()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return config
+
+
 def apply_override(tree: dict[str, Any], override: str) -> None:
     """Apply ``section.key=value`` to the nested dict ``tree``; the value is parsed as YAML."""
     path, sep, raw = override.partition("=")
@@ -267,14 +277,37 @@ def apply_override(tree: dict[str, Any], override: str) -> None:
     node[leaf] = yaml.safe_load(raw) if raw else ""
 
 
+def read_tree(path: str | None, overrides: list[str], what: str) -> dict[str, Any]:
+    """The mapping in the YAML file ``path`` (none: empty) with ``key=value`` overrides applied.
+
+    ``what`` names the kind of file in errors ("serve config", "sweep config").
+    """
+    tree: dict[str, Any] = {}
+    if path:
+        try:
+            with open(path) as f:
+                tree = yaml.safe_load(f) or {}
+        except OSError as exc:
+            raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{path}: a {what} must be a mapping of keys")
+    for override in overrides:
+        apply_override(tree, override)
+    return tree
+
+
+def recipe_names() -> list[str]:
+    """The train recipes in configs/ (sweep-*.yaml there are sweeps, see tune/config.py)."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml") if not p.stem.startswith("sweep-"))
+
+
 def resolve_recipe(recipe: str) -> Path:
     """A recipe is a YAML path, or the name of a file in configs/ (``tiny`` -> configs/tiny.yaml)."""
     path = Path(recipe)
     if path.suffix not in (".yaml", ".yml"):
         path = CONFIG_DIR / f"{recipe}.yaml"
     if not path.is_file():
-        names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
-        raise ConfigError(f"no recipe {recipe!r} (looked for {path}); recipes in configs/: {names}")
+        raise ConfigError(f"no recipe {recipe!r} (looked for {path}); recipes in configs/: {recipe_names()}")
     return path
 
 
@@ -288,12 +321,7 @@ def load_config(recipe: str | None = None, overrides: list[str] = ()) -> TrainCo
             raise ConfigError(f"{path}: a recipe must be a mapping of sections")
     for override in overrides:
         apply_override(tree, override)
-    config = build_dataclass(TrainConfig, tree, "")
-    try:
-        config.validate()
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    return config
+    return build_config(TrainConfig, tree)
 
 
 def config_from_dict(values: dict[str, Any]) -> TrainConfig:

@@ -19,10 +19,9 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-import yaml
 from ray import tune
 
-from train.config import ConfigError, TrainConfig, apply_override, build_dataclass, load_config
+from train.config import ConfigError, TrainConfig, build_config, load_config, read_tree
 
 KINDS = ("loguniform", "uniform", "int", "choice")
 MAX_COMBINATIONS_CHECKED = 512
@@ -139,23 +138,10 @@ def tune_space(space: dict[str, dict]) -> dict[str, Any]:
 
 
 def sweep_config_from_dict(values: dict[str, Any]) -> SweepConfig:
-    sweep = build_dataclass(SweepConfig, values)
-    try:
-        sweep.validate()
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    sweep = build_config(SweepConfig, values)
     check_space(sweep)
     return sweep
 
 
 def load_sweep_config(path: str, overrides: list[str] = ()) -> SweepConfig:
-    try:
-        with open(path) as f:
-            tree = yaml.safe_load(f) or {}
-    except OSError as exc:
-        raise ConfigError(f"cannot read sweep config {path}: {exc.strerror}") from None
-    if not isinstance(tree, dict):
-        raise ConfigError(f"{path}: a sweep config must be a mapping of keys")
-    for item in overrides:
-        apply_override(tree, item)
-    return sweep_config_from_dict(tree)
+    return sweep_config_from_dict(read_tree(path, overrides, "sweep config"))
