@@ -2,11 +2,8 @@
 
 import copy
 import json
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
 from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -20,11 +17,7 @@ from ray.autoscaler._private.aws.config import bootstrap_aws
 from ray.autoscaler._private.aws.node_provider import AWSNodeProvider
 from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.autoscaler.tags import NODE_KIND_WORKER, TAG_RAY_NODE_KIND, TAG_RAY_NODE_NAME, TAG_RAY_USER_NODE_TYPE
-from ray.job_submission import JobSubmissionClient
 
-from cluster import local
-from cluster.__main__ import main as cluster_main
-from cluster.jobs import auth_headers
 from cluster.spot_drainer import Imds, watch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -150,62 +143,3 @@ def test_spot_notice_drains_the_node_with_the_notices_deadline(ray_session):
         server.shutdown()
         ray.kill(worker)
         ray_session.remove_node(node)
-
-
-def _twin_nodes(dashboard: str) -> list[dict]:
-    """The twin's alive nodes (resources), through its state API, with the auth token."""
-    request = urllib.request.Request(f"{dashboard}/api/v0/nodes?detail=1", headers=auth_headers())
-    with urllib.request.urlopen(request, timeout=10) as reply:
-        nodes = json.loads(reply.read())["data"]["result"]["result"]
-    return [n["resources_total"] for n in nodes if n["state"] == "ALIVE"]
-
-
-def _wait(condition, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(1)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def test_local_twin_scales_up_falls_back_to_on_demand_runs_a_job_and_scales_down(tiny_dataset, tmp_path):
-    """On the fake_multinode twin, through the job CLI: a 2-worker training job asks for two `accelerator`
-    nodes, the spot type (max 1) is exhausted so an on-demand node is launched too; logs follow; stop;
-    the idle nodes are given back."""
-    state = local.up(tmp_path / "twin")
-    address = ["--address", state["dashboard"]]
-    try:
-        assert cluster_main(["list", *address]) == 0
-        overrides = [
-            "scaling.num_workers=2",
-            "scaling.resources_per_worker={accelerator: 1}",
-            "optim.max_steps=100000",
-            f"data.path={tiny_dataset}",
-            f"run.storage_path={tmp_path}",
-        ]
-        sets = [word for item in overrides for word in ("--set", item)]
-        submitted = subprocess.run(
-            [sys.executable, "-m", "cluster", "submit", "train", "--config", "tiny", *sets, *address,
-             "--env", "DS_ACCELERATOR=cpu"],
-            cwd=REPO, capture_output=True, text=True, check=True,
-        )  # fmt: skip
-        job_id = submitted.stdout.split()[1]
-        follow = subprocess.Popen(
-            [sys.executable, "-m", "cluster", "logs", job_id, "--follow", *address],
-            cwd=REPO, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        for line in follow.stdout:  # the followed log reaches training steps
-            if line.startswith("step ") and "loss" in line:
-                break
-        follow.kill()
-        kinds = [("spot" in n) + 2 * ("ondemand" in n) for n in _twin_nodes(state["dashboard"]) if "accelerator" in n]
-        assert sorted(kinds) == [1, 2]  # one spot node (its type's maximum), one on-demand node
-        assert cluster_main(["stop", job_id, *address]) == 0
-        client = JobSubmissionClient(state["dashboard"], headers=auth_headers())
-        _wait(lambda: client.get_job_status(job_id).value == "STOPPED", 120, "the job to stop")
-        _wait(lambda: not [n for n in _twin_nodes(state["dashboard"]) if "CPU" in n], 180, "idle nodes to go")
-    finally:
-        local.down(tmp_path / "twin")
-    assert not local._processes_of(state)
