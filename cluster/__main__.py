@@ -32,24 +32,24 @@ async def _follow(client, job_id: str) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m cluster", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
+    # Every job command talks to a cluster's job API.
+    on_cluster = argparse.ArgumentParser(add_help=False)
+    on_cluster.add_argument("--address", help="the cluster's job API URL")
     for name in ("up", "down"):
         twin = commands.add_parser(name, help=f"{'start' if name == 'up' else 'stop'} the local twin")
         twin.add_argument("--local", action="store_true", required=True, help="the fake_multinode twin on this machine")
-    run = commands.add_parser("submit", help="submit a train, tune or serve job")
+    run = commands.add_parser("submit", parents=[on_cluster], help="submit a train, tune or serve job")
     run.add_argument("kind", choices=KINDS)
     run.add_argument("--config", required=True, help="recipe name or YAML file inside this project")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     run.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment of the job")
     run.add_argument("--follow", action="store_true", help="stream the job's logs until it ends")
     for name in ("logs", "status", "stop"):
-        job = commands.add_parser(name, help=f"{name} of one job")
+        job = commands.add_parser(name, parents=[on_cluster], help=f"{name} of one job")
         job.add_argument("job_id")
         if name == "logs":
             job.add_argument("--follow", action="store_true")
-    commands.add_parser("list", help="the cluster's jobs")
-    for sub in commands.choices.values():
-        if sub.prog.split()[-1] not in ("up", "down"):
-            sub.add_argument("--address", help="the cluster's job API URL")
+    commands.add_parser("list", parents=[on_cluster], help="the cluster's jobs")
     return parser
 
 

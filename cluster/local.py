@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import psutil
@@ -87,5 +86,4 @@ def down(state_dir: Path = STATE_DIR, grace_s: float = 10.0) -> int:
     for process in alive:
         process.kill()
     (state_dir / "state.json").unlink()
-    time.sleep(0.5)
     return len(processes)

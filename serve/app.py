@@ -111,7 +111,7 @@ class CompletionServer:
         )
         self.queue_depth = Gauge("raywright_queue_depth", description="Requests waiting for a batch slot.")
 
-    def _record_step(self, batch_size: int, queue_depth: int, seconds: float) -> None:
+    def _record_step(self, batch_size: int, queue_depth: int) -> None:
         self.tokens.inc(batch_size)
         self.batch_size.observe(batch_size)
         self.queue_depth.set(queue_depth)
@@ -182,7 +182,7 @@ class CompletionServer:
         """The ``@serve.batch`` baseline of the benchmark: fixed batches run to completion, whole text at once."""
         async with self.serve_batch_lock:
             texts = await asyncio.to_thread(self.engine.run_batch, batch)
-        self._record_step(len(batch), 0, 0.0)
+        self._record_step(len(batch), 0)
         return [Chunk(text, seq.finish_reason) for text, seq in zip(texts, batch, strict=True)]
 
     async def _complete(self, reply: dict, chunks: AsyncIterator[Chunk], prompt_tokens: int) -> Response:

@@ -10,7 +10,6 @@ step is done — the property that Serve's ``@serve.batch`` lacks (see ../shared
 """
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -123,7 +122,7 @@ class ContinuousBatcher:
         self.waiting: list[Sequence] = []
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
-        # on_step(batch_size, queue_depth, seconds) feeds metrics.
+        # on_step(batch_size, queue_depth) feeds metrics.
         self._on_step = on_step
 
     @property
@@ -156,7 +155,6 @@ class ContinuousBatcher:
                 await self._wakeup.wait()
             admitted = self.waiting[: self.engine.free_slots]
             del self.waiting[: len(admitted)]
-            start = time.perf_counter()
             # The step runs in a thread (torch releases the GIL) so HTTP keeps flowing meanwhile.
             try:
                 stepped = await asyncio.to_thread(self.engine.step, admitted)
@@ -166,7 +164,7 @@ class ContinuousBatcher:
                 for seq in stepped:
                     seq.chunks = [Chunk(f"generation failed: {exc!r}", "error")]
             if self._on_step:
-                self._on_step(len(stepped), len(self.waiting), time.perf_counter() - start)
+                self._on_step(len(stepped), len(self.waiting))
             for seq in stepped:
                 for chunk in seq.chunks:
                     seq.queue.put_nowait(chunk)

@@ -116,7 +116,7 @@ def test_continuous_batching_gives_each_request_its_text_alone(memorized_export,
     ]
     engine = make_engine(memorized_export, precision, max_batch=4)  # fewer slots than requests: some wait
     batch_sizes = []
-    batcher = ContinuousBatcher(engine, on_step=lambda size, queued, seconds: batch_sizes.append(size))
+    batcher = ContinuousBatcher(engine, on_step=lambda size, queued: batch_sizes.append(size))
 
     async def one(prompt: str, p: GenerationParams, delay: float) -> str:
         await asyncio.sleep(delay)

@@ -313,19 +313,10 @@ def resolve_recipe(recipe: str) -> Path:
 
 def load_config(recipe: str | None = None, overrides: list[str] = ()) -> TrainConfig:
     """Load a recipe (name or path), apply ``--set`` overrides, and validate everything."""
-    tree: dict[str, Any] = {}
-    if recipe:
-        path = resolve_recipe(recipe)
-        tree = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(tree, dict):
-            raise ConfigError(f"{path}: a recipe must be a mapping of sections")
-    for override in overrides:
-        apply_override(tree, override)
+    tree = read_tree(str(resolve_recipe(recipe)) if recipe else None, overrides, "recipe")
     return build_config(TrainConfig, tree)
 
 
 def config_from_dict(values: dict[str, Any]) -> TrainConfig:
     """Rebuild a validated config from ``to_dict`` output (checkpoint metadata, Ray workers)."""
-    config = build_dataclass(TrainConfig, values, "")
-    config.validate()
-    return config
+    return build_config(TrainConfig, values)

@@ -69,6 +69,10 @@ class SweepConfig:
         """The base recipe with ``set`` and ``extra`` applied, on one worker (trials are single-worker)."""
         return load_config(self.base, ["scaling.num_workers=1", *self.set, *extra])
 
+    def storage_root(self) -> str:
+        """Where sweeps go: ``storage_path``, else the base recipe's ``run.storage_path``."""
+        return self.storage_path or self.base_config().run.storage_path
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

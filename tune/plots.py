@@ -30,7 +30,7 @@ def parameter_importances(sweep: SweepConfig, trials: pd.DataFrame) -> dict[str,
     distributions = {key: _distribution(spec) for key, spec in sweep.space.items()}
     for _, row in trials.iterrows():
         # numpy scalars from the DataFrame back to Python values, as Optuna's distributions hold them
-        params = {key: getattr(row[key], "item", lambda v=row[key]: v)() for key in sweep.space}
+        params = {key: row[key].item() if hasattr(row[key], "item") else row[key] for key in sweep.space}
         study.add_trial(
             optuna.trial.create_trial(params=params, distributions=distributions, value=float(row["val_loss"]))
         )

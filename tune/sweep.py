@@ -44,15 +44,11 @@ class SweepResult:
 
 def _trainable(sweep: SweepConfig):
     address = [f"run.ray_address={sweep.ray_address}"] if sweep.ray_address else []
-    cfg = sweep.base_config([f"run.storage_path={_storage_root(sweep)}", *address])
+    cfg = sweep.base_config([f"run.storage_path={sweep.storage_root()}", *address])
     init_ray(cfg)
     data_path, manifest = ensure_dataset(cfg)  # prepared once by the driver, read by every trial
     trainable = tune.with_parameters(run_trial, sweep=sweep, data_path=data_path, manifest=manifest)
     return tune.with_resources(trainable, sweep.trial_resources), data_path
-
-
-def _storage_root(sweep: SweepConfig) -> str:
-    return sweep.storage_path or sweep.base_config().run.storage_path
 
 
 def _tuner_parts(sweep: SweepConfig):
@@ -100,7 +96,7 @@ def run_sweep_config(sweep: SweepConfig) -> SweepResult:
         ),
         run_config=tune.RunConfig(
             name=sweep.name,
-            storage_path=storage.absolute(storage.join(_storage_root(sweep), "sweeps")),
+            storage_path=storage.absolute(storage.join(sweep.storage_root(), "sweeps")),
             failure_config=tune.FailureConfig(max_failures=sweep.max_failures),
         ),
     )
@@ -156,7 +152,7 @@ def summarize(sweep: SweepConfig, results, data_path: str) -> SweepResult:
 def write_best_recipe(sweep: SweepConfig, best: dict[str, Any], data_path: str) -> str:
     """configs/best-<sweep>.yaml: the base recipe with the best parameters, complete and ready to train."""
     cfg = trial_config(sweep, {key: best[key] for key in sweep.space}, f"best-{sweep.name}", data_path)
-    cfg.run.storage_path = _storage_root(sweep)
+    cfg.run.storage_path = sweep.storage_root()
     recipe_dir = Path(sweep.recipe_dir) if sweep.recipe_dir else CONFIG_DIR
     header = (
         f"# Best of sweep {sweep.name!r}: trial {best['trial_id']}, {sweep.metric} {best['val_loss']:.4f} "

@@ -35,8 +35,7 @@ def trial_config(sweep: SweepConfig, params: dict[str, Any], trial_id: str, data
 
 
 def sweep_dir(sweep: SweepConfig) -> str:
-    root = sweep.storage_path or sweep.base_config().run.storage_path
-    return storage.absolute(storage.join(root, "sweeps", sweep.name))
+    return storage.absolute(storage.join(sweep.storage_root(), "sweeps", sweep.name))
 
 
 def _free_port() -> int:
