@@ -128,9 +128,11 @@ def test_shrink_grow_and_preemption_keep_the_numbers_exact(stage, ray_cluster, w
     jit = [c["step"] for c in elastic["checkpoints"] if c["reason"] == "preemption"]
     last = [c["step"] for c in elastic["checkpoints"] if c["reason"] == "deadline"]
     # A just-in-time checkpoint at the notice, a last one shortly before the deadline, and the run
-    # resumes from that last one: the steps trained while the node drained are not lost.
+    # resumes from that last one (or a periodic one that fell due after it): the steps trained while
+    # the node drained are not lost.
     assert len(jit) == 1 and len(last) == 1 and last[0] > jit[0]
-    assert elastic["resizes"][2]["at_step"] == last[0]
+    resumed = elastic["resizes"][2]["at_step"]
+    assert resumed >= last[0] and resumed in {c["step"] for c in elastic["checkpoints"]}
     assert all(r["seconds_lost"] > 0 for r in elastic["resizes"])
     assert 0 < elastic["goodput"] < 1 and elastic["cost"] < elastic["cost_on_demand_only"]
     assert summary.steps == max_steps and summary.final_val_loss < summary.initial_val_loss
