@@ -182,3 +182,32 @@ def test_trial_resumes_from_its_checkpoint_on_another_spot_node(ray_session, tin
     # (An evaluation between the last checkpoint and the node loss may be reported twice.)
     steps = progress["step"].tolist()
     assert steps.count(0) == 1 and sorted(set(steps)) == list(range(0, 81, 10)), steps
+
+
+def test_multi_worker_trials_run_deepspeed_on_ray_train_inside_tune(ray_session, tiny_dataset, tmp_path):
+    """trial_workers: 2 -> every trial is a 2-worker Ray Train DeepSpeed job; two of them run at once."""
+    result = run_sweep(
+        "tiny",
+        {"deepspeed.zero_stage": {"choice": [1, 3]}, "optim.lr": {"loguniform": [1e-3, 1e-2]}},
+        name="multi",
+        set=SHORT,
+        num_trials=2,
+        max_concurrent_trials=2,
+        early_stopping="none",
+        trial_workers=2,
+        trial_resources={"CPU": 1},
+        storage_path=str(tmp_path),
+        recipe_dir=str(tmp_path),
+    )
+    trials = result.trials
+    assert len(trials) == 2 and not trials["error"].any() and (trials["steps"] == 40).all()
+    assert max_overlap(trials) == 2
+    for trial_id in trials["trial_id"]:
+        metrics = pd.read_json(tmp_path / "sweeps" / "multi" / "trials" / trial_id / "metrics.jsonl", lines=True)
+        assert set(metrics["world_size"].dropna()) == {2}  # trained by two Ray Train workers
+    assert load_config(result.best_recipe).scaling.num_workers == 2  # the best recipe trains as it was swept
+
+
+def test_trial_workers_are_set_by_trial_workers_only():
+    with pytest.raises(ConfigError, match="scaling.num_workers"):
+        sweep_config_from_dict({"base": "tiny", "set": ["scaling.num_workers=2"], "space": SPACE})

@@ -48,7 +48,10 @@ def _trainable(sweep: SweepConfig):
     init_ray(cfg)
     data_path, manifest = ensure_dataset(cfg)  # prepared once by the driver, read by every trial
     trainable = tune.with_parameters(run_trial, sweep=sweep, data_path=data_path, manifest=manifest)
-    return tune.with_resources(trainable, sweep.trial_resources), data_path
+    # With Train workers the trial's process only drives them: a sliver of CPU, on any node (the head
+    # too, which outlives spot nodes); Tune does not count the workers' resources, Train waits for them.
+    resources = sweep.trial_resources if sweep.trial_workers == 1 else {"CPU": 0.01}
+    return tune.with_resources(trainable, resources), data_path
 
 
 def _tuner_parts(sweep: SweepConfig):

@@ -1,9 +1,10 @@
 """One sweep trial: the real training loop of ``train/`` with the trial's parameters.
 
-A trial runs the loop in its own process as a one-rank DeepSpeed job (a one-rank gloo/NCCL group,
-no Ray Train start-up, which costs ~40 s per trial here). The trial's run directory is named by
-the trial id, so a trial restarted after its node was lost or pre-empted, or after the sweep was
-restored, resumes from its last checkpoint instead of starting over.
+A one-worker trial runs the loop in its own process as a one-rank DeepSpeed job (a one-rank
+gloo/NCCL group, no Ray Train start-up, which costs ~40 s per trial here). A trial of more workers
+runs a Ray Train DeepSpeed job from its process (Train inside Tune). Either way the trial's run
+directory is named by the trial id, so a trial restarted after its node was lost or pre-empted, or
+after the sweep was restored, resumes from its last checkpoint instead of starting over.
 """
 
 import os
@@ -15,9 +16,10 @@ import ray
 import torch
 import torch.distributed as dist
 from ray import tune
+from ray.tune.integration.ray_train import TuneReportCallback
 
 from train import storage
-from train.launch import loop_args
+from train.launch import build_trainer, loop_args
 from train.loop import train_loop
 from tune.config import SweepConfig, override
 
@@ -30,6 +32,8 @@ def trial_config(sweep: SweepConfig, params: dict[str, Any], trial_id: str, data
             override("run.name", trial_id),
             override("run.storage_path", storage.join(sweep_dir(sweep), "trials")),
             override("data.path", data_path),
+            # With Train workers, trial_resources are each worker's (CPU included: it wins over cpus_per_worker).
+            *([override("scaling.resources_per_worker", sweep.trial_resources)] if sweep.trial_workers > 1 else []),
         ]
     )
 
@@ -44,17 +48,41 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _evaluation(metrics: dict, start: float, node_id: str) -> dict | None:
+    """What Tune sees of a training report: evaluations only, as ASHA compares trials on the
+    validation loss at equal steps; with when the trial started and the node it runs on."""
+    if "val_loss" not in metrics:
+        return None
+    keep = {key: metrics[key] for key in ("step", "val_loss", "time")}
+    return {**keep, "trial_start": start, "node_id": node_id}
+
+
+class _EvaluationsToTune(TuneReportCallback):
+    """Ray Train's reports to Tune, evaluations only (rank 0's: every rank reports the same figures)."""
+
+    def __init__(self, start: float, node_id: str):
+        super().__init__()
+        self.start, self.node_id = start, node_id
+
+    def after_report(self, run_context, metrics: list[dict], checkpoint) -> None:
+        evaluation = _evaluation(metrics[0], self.start, self.node_id)
+        if evaluation:
+            super().after_report(run_context, [evaluation], None)  # checkpoints are raywright's own
+
+
 def run_trial(params: dict[str, Any], sweep: SweepConfig, data_path: str, manifest: dict) -> None:
     """The Tune trainable (bound with ``tune.with_parameters``)."""
     cfg = trial_config(sweep, params, tune.get_context().get_trial_id(), data_path)
     node_id = ray.get_runtime_context().get_node_id()
     start = time.time()
+    if sweep.trial_workers > 1:
+        build_trainer(cfg, data_path, manifest, callbacks=[_EvaluationsToTune(start, node_id)]).fit()
+        return
 
     def report(metrics: dict) -> None:
-        # Tune sees evaluations only: ASHA compares trials on the validation loss at equal steps.
-        if "val_loss" in metrics:
-            keep = {key: metrics[key] for key in ("step", "val_loss", "time")}
-            tune.report({**keep, "trial_start": start, "node_id": node_id})
+        evaluation = _evaluation(metrics, start, node_id)
+        if evaluation:
+            tune.report(evaluation)
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     dist.init_process_group(
