@@ -1,9 +1,13 @@
-"""cluster.yaml offline (Ray's schema, security properties, Ray's AWS provider on moto) and the spot drainer."""
+"""cluster.yaml offline (Ray's schema, security properties, Ray's AWS provider on moto), the spot drainer,
+and the local twin driven through the job CLI."""
 
 import copy
 import json
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
 from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -18,6 +22,9 @@ from ray.autoscaler._private.aws.node_provider import AWSNodeProvider
 from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.autoscaler.tags import NODE_KIND_WORKER, TAG_RAY_NODE_KIND, TAG_RAY_NODE_NAME, TAG_RAY_USER_NODE_TYPE
 
+from cluster import local
+from cluster.__main__ import main as cluster_main
+from cluster.jobs import auth_headers, connect
 from cluster.spot_drainer import Imds, watch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -143,3 +150,65 @@ def test_spot_notice_drains_the_node_with_the_notices_deadline(ray_session):
         server.shutdown()
         ray.kill(worker)
         ray_session.remove_node(node)
+
+
+def _twin_node_kinds(dashboard: str) -> list[str]:
+    """The kind (spot, ondemand) of each alive worker node of the twin, through its state API."""
+    request = urllib.request.Request(f"{dashboard}/api/v0/nodes?detail=1", headers=auth_headers())
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        nodes = json.loads(reply.read())["data"]["result"]["result"]
+    alive = [n["resources_total"] for n in nodes if n["state"] == "ALIVE"]
+    return sorted(kind for resources in alive for kind in ("spot", "ondemand") if kind in resources)
+
+
+def _wait(condition, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def test_local_twin_launches_spot_then_on_demand_follows_and_stops_a_job_then_scales_down(tiny_dataset, tmp_path):
+    """On the fake_multinode twin, through the job CLI: a 2-worker training job asks for two `accelerator`
+    nodes; the spot type (max 1) is preferred and exhausted, so an on-demand node is launched too. The
+    followed log shows training; `stop` ends the job and the follow; the idle nodes are given back."""
+    state = local.up(tmp_path / "twin")
+    address = ["--address", state["dashboard"]]
+    try:
+        assert _twin_node_kinds(state["dashboard"]) == []  # the head alone: workers scale from zero
+        overrides = [
+            "scaling.num_workers=2",
+            "scaling.resources_per_worker={accelerator: 1}",
+            "optim.max_steps=100000",
+            f"data.path={tiny_dataset}",
+            f"run.storage_path={tmp_path}",
+        ]
+        sets = [word for item in overrides for word in ("--set", item)]
+        submitted = subprocess.run(
+            [sys.executable, "-m", "cluster", "submit", "train", "--config", "tiny", *sets, *address,
+             "--env", "DS_ACCELERATOR=cpu"],
+            cwd=REPO, capture_output=True, text=True, check=True, timeout=120,
+        )  # fmt: skip
+        job_id = submitted.stdout.split()[1]
+        followed = tmp_path / "follow.log"
+        with open(followed, "w") as out:
+            follow = subprocess.Popen(
+                [sys.executable, "-m", "cluster", "logs", job_id, "--follow", *address],
+                cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        try:
+            _wait(lambda: "step 10/" in followed.read_text(), 240, "the followed log to show training steps")
+            assert _twin_node_kinds(state["dashboard"]) == ["ondemand", "spot"]
+            assert cluster_main(["stop", job_id, *address]) == 0
+            assert follow.wait(timeout=60) == 0  # the follow ends with the job
+        finally:
+            follow.kill()
+        assert connect(state["dashboard"]).get_job_status(job_id).value == "STOPPED"
+        # The stopped run withdrew its autoscaler request: the nodes go after the idle timeout (30 s).
+        _wait(lambda: _twin_node_kinds(state["dashboard"]) == [], 150, "the idle nodes to be given back")
+    finally:
+        local.down(tmp_path / "twin")
+    assert not local._processes_of(state)

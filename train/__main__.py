@@ -28,8 +28,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
 
-    from train.launch import run_training  # imports Ray and DeepSpeed: only after the config is valid
+    from train.launch import init_ray, run_training, stop_gracefully_on_sigterm  # Ray: after the config is valid
 
+    init_ray(cfg)
+    stop_gracefully_on_sigterm()  # after ray.init, which installs a SIGTERM handler of its own
     summary = run_training(cfg)
     elastic = summary.elastic
     lines = {

@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import uuid
 from dataclasses import dataclass
@@ -80,6 +81,13 @@ def init_ray(cfg: TrainConfig) -> None:
         ray.init(
             address="local", num_cpus=max(os.cpu_count() or 1, cfg.scaling.max_workers * cfg.scaling.cpus_per_worker)
         )
+
+
+def stop_gracefully_on_sigterm() -> None:
+    """Take SIGTERM (what ``ray job stop`` sends first) as Ctrl-C, which Ray Train and Tune turn into a
+    graceful abort: the run withdraws its autoscaler request, so its idle nodes are given back after
+    the idle timeout instead of after the request expires (3 more minutes of GPU nodes)."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: signal.raise_signal(signal.SIGINT))
 
 
 def set_ray_train_env(cfg: TrainConfig) -> None:
