@@ -84,7 +84,7 @@ def init_ray(cfg: TrainConfig) -> None:
 
 
 def stop_gracefully_on_sigterm() -> None:
-    """Take SIGTERM (what ``ray job stop`` sends first) as Ctrl-C, which Ray Train and Tune turn into a
+    """Take SIGTERM (what ``ray job stop`` sends first) as Ctrl-C, which Ray Train turns into a
     graceful abort: the run withdraws its autoscaler request, so its idle nodes are given back after
     the idle timeout instead of after the request expires (3 more minutes of GPU nodes)."""
     signal.signal(signal.SIGTERM, lambda signum, frame: signal.raise_signal(signal.SIGINT))

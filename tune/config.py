@@ -69,6 +69,11 @@ class SweepConfig:
         if any(amount == 0 for amount in self.trial_resources.values()):
             raise ValueError("trial_resources: a resource of 0 is rejected by Ray; use e.g. 0.01, or leave it out")
 
+    @property
+    def on_ray_train(self) -> bool:
+        """Whether each trial runs a Ray Train job (more than one worker) rather than the loop in-process."""
+        return self.trial_workers > 1
+
     def base_config(self, extra: list[str] = ()) -> TrainConfig:
         """The base recipe with ``set`` and ``extra`` applied, on ``trial_workers`` workers."""
         return load_config(self.base, [f"scaling.num_workers={self.trial_workers}", *self.set, *extra])

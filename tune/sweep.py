@@ -50,7 +50,7 @@ def _trainable(sweep: SweepConfig):
     trainable = tune.with_parameters(run_trial, sweep=sweep, data_path=data_path, manifest=manifest)
     # With Train workers the trial's process only drives them: a sliver of CPU, on any node (the head
     # too, which outlives spot nodes); Tune does not count the workers' resources, Train waits for them.
-    resources = sweep.trial_resources if sweep.trial_workers == 1 else {"CPU": 0.01}
+    resources = {"CPU": 0.01} if sweep.on_ray_train else sweep.trial_resources
     return tune.with_resources(trainable, resources), data_path
 
 

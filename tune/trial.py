@@ -33,7 +33,7 @@ def trial_config(sweep: SweepConfig, params: dict[str, Any], trial_id: str, data
             override("run.storage_path", storage.join(sweep_dir(sweep), "trials")),
             override("data.path", data_path),
             # With Train workers, trial_resources are each worker's (CPU included: it wins over cpus_per_worker).
-            *([override("scaling.resources_per_worker", sweep.trial_resources)] if sweep.trial_workers > 1 else []),
+            *([override("scaling.resources_per_worker", sweep.trial_resources)] if sweep.on_ray_train else []),
         ]
     )
 
@@ -75,7 +75,7 @@ def run_trial(params: dict[str, Any], sweep: SweepConfig, data_path: str, manife
     cfg = trial_config(sweep, params, tune.get_context().get_trial_id(), data_path)
     node_id = ray.get_runtime_context().get_node_id()
     start = time.time()
-    if sweep.trial_workers > 1:
+    if sweep.on_ray_train:
         build_trainer(cfg, data_path, manifest, callbacks=[_EvaluationsToTune(start, node_id)]).fit()
         return
 
