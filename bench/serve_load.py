@@ -37,7 +37,6 @@ from train.config import config_from_dict, load_config
 from train.data import load_split
 from train.export import load_exported
 from train.launch import dataset_path
-from train.tokenizer import ByteTokenizer
 
 CLIENTS = (1, 8, 32, 64)
 PROMPT_BYTES = 32
@@ -109,8 +108,8 @@ async def load(url: str, clients: int, seconds: float, prompts: list[str], max_t
 
 def engine_throughput(export: str, prompts: list[str], in_flight: int, seconds: float, max_tokens: int) -> float:
     """Requests/s of the continuous-batching engine alone, ``in_flight`` requests at all times."""
-    model, _ = load_exported(export)
-    batcher = ContinuousBatcher(Engine(Decoder(model, in_flight, "int8"), ByteTokenizer()))
+    exported = load_exported(export)
+    batcher = ContinuousBatcher(Engine(Decoder(exported.model, in_flight, "int8"), exported.tokenizer))
     params = GenerationParams(max_tokens=max_tokens, temperature=0.0)
     done = 0
 
@@ -118,7 +117,7 @@ def engine_throughput(export: str, prompts: list[str], in_flight: int, seconds: 
         nonlocal done
         i = index
         while time.perf_counter() < deadline:
-            prompt = [int(t) for t in ByteTokenizer().encode(prompts[i % len(prompts)])]
+            prompt = [int(t) for t in exported.tokenizer.encode(prompts[i % len(prompts)])]
             i += in_flight
             async for _ in batcher.generate(prompt, params):
                 pass
@@ -134,8 +133,7 @@ def engine_throughput(export: str, prompts: list[str], in_flight: int, seconds: 
 
 def perplexity(export: str, precision: str, rows: np.ndarray) -> float:
     """exp(mean next-token cross-entropy) of ``rows`` through the serving decoder at ``precision``."""
-    model, _ = load_exported(export)
-    decoder = Decoder(model, 1, precision)
+    decoder = Decoder(load_exported(export).model, 1, precision)
     losses = []
     for row in rows:
         tokens = [int(t) for t in row]
@@ -155,10 +153,10 @@ def main() -> None:
 
     ray.init(address="local", _temp_dir=tempfile.mkdtemp(prefix="/tmp/rwb-"))
     export = resolve_export(args.checkpoint or train_model(tempfile.mkdtemp(prefix="rw-serve-bench-")))
-    _, info = load_exported(export)
-    val = load_split(dataset_path(config_from_dict(info["provenance"]["config"])), "val")
+    exported = load_exported(export)
+    val = load_split(dataset_path(config_from_dict(exported.provenance["config"])), "val")
     prompts = prompts_from(val, 256)
-    report: dict = {"model": info["model"], "max_tokens": args.max_tokens, "seconds_per_point": args.seconds}
+    report: dict = {"model": vars(exported.model.cfg), "max_tokens": args.max_tokens, "seconds_per_point": args.seconds}
 
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     url = f"http://127.0.0.1:{args.port}"

@@ -27,8 +27,8 @@ from serve.config import ServeConfig, serve_config_from_dict
 from serve.decoder import Decoder
 from serve.engine import Chunk, ContinuousBatcher, Engine, GenerationParams, Sequence
 from train import storage
-from train.export import WEIGHTS, export_uri, load_exported
-from train.tokenizer import tokenizer_from_dict
+from train.export import export_uri, load_exported
+from train.hf_gpt2 import CONFIG
 
 api = FastAPI(title="raywright")
 
@@ -71,12 +71,12 @@ def parse_request(body: bytes) -> CompletionRequest:
 
 
 def resolve_export(checkpoint: str) -> str:
-    """A training export dir, given the export itself or the run dir that holds it."""
-    if storage.exists(storage.join(checkpoint, WEIGHTS)):
+    """A model directory (a training export or any GPT-2 HF directory), given itself or the run dir holding it."""
+    if storage.exists(storage.join(checkpoint, CONFIG)):
         return checkpoint
-    if storage.exists(storage.join(export_uri(checkpoint), WEIGHTS)):
+    if storage.exists(storage.join(export_uri(checkpoint), CONFIG)):
         return export_uri(checkpoint)
-    raise FileNotFoundError(f"checkpoint: no {WEIGHTS} in {checkpoint} or in its export/ directory")
+    raise FileNotFoundError(f"checkpoint: no {CONFIG} in {checkpoint} or in its export/ directory")
 
 
 @serve.deployment
@@ -86,13 +86,13 @@ class CompletionServer:
         cfg = serve_config_from_dict(config)
         torch.set_num_threads(cfg.torch_threads)
         device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
-        model, info = load_exported(resolve_export(cfg.checkpoint))
-        self.model_name = cfg.model_name or info["provenance"]["config"]["run"]["name"]
+        exported = load_exported(resolve_export(cfg.checkpoint))
+        self.model_name = cfg.model_name or exported.name
         self.precision = "int8" if cfg.precision == "auto" else cfg.precision
-        self.context = model.cfg.seq_len
-        self.tokenizer = tokenizer_from_dict(info["tokenizer"])
+        self.context = exported.model.cfg.seq_len
+        self.tokenizer = exported.tokenizer
         max_batch = 1 if cfg.batching == "none" else cfg.max_batch_size
-        self.engine = Engine(Decoder(model, max_batch, self.precision, device), self.tokenizer)
+        self.engine = Engine(Decoder(exported.model, max_batch, self.precision, device), self.tokenizer)
         self.batching = cfg.batching
         self.batcher = ContinuousBatcher(self.engine, on_step=self._record_step)
         self.serve_batch_lock = asyncio.Lock()
@@ -183,17 +183,17 @@ class CompletionServer:
         async with self.serve_batch_lock:
             texts = await asyncio.to_thread(self.engine.run_batch, batch)
         self._record_step(len(batch), 0)
-        return [Chunk(text, seq.finish_reason) for text, seq in zip(texts, batch, strict=True)]
+        return [Chunk(text, seq.finish_reason, seq.generated) for text, seq in zip(texts, batch, strict=True)]
 
     async def _complete(self, reply: dict, chunks: AsyncIterator[Chunk], prompt_tokens: int) -> Response:
-        texts, finish = [], None
+        texts, finish, completion_tokens = [], None, 0
         async for chunk in chunks:
             texts.append(chunk.text)
             finish = chunk.finish_reason
+            completion_tokens += chunk.tokens
         if finish == "error":
             return error_response(500, texts[-1])
         text = "".join(texts)
-        completion_tokens = len(text.encode())  # byte-level tokenizer: one token per byte
         choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
         usage = {
             "prompt_tokens": prompt_tokens,

@@ -18,7 +18,7 @@ import torch
 from serve.decoder import Decoder
 from serve.sampling import make_generator, next_token
 from serve.textstream import TextStream
-from train.tokenizer import ByteTokenizer
+from train.tokenizer import BPETokenizer
 
 
 @dataclass
@@ -34,6 +34,7 @@ class GenerationParams:
 class Chunk:
     text: str
     finish_reason: str | None = None  # "stop", "length" (or "error") on the last chunk of a sequence
+    tokens: int = 1  # tokens generated for this chunk
 
 
 class Sequence:
@@ -54,7 +55,7 @@ class Sequence:
 
 
 class Engine:
-    def __init__(self, decoder: Decoder, tokenizer: ByteTokenizer):
+    def __init__(self, decoder: Decoder, tokenizer: BPETokenizer):
         self.decoder = decoder
         self.tokenizer = tokenizer
         self.context = decoder.cfg.seq_len
@@ -162,7 +163,7 @@ class ContinuousBatcher:
                 stepped = self.engine.live + [seq for seq in admitted if seq not in self.engine.live]
                 self.engine.live = []
                 for seq in stepped:
-                    seq.chunks = [Chunk(f"generation failed: {exc!r}", "error")]
+                    seq.chunks = [Chunk(f"generation failed: {exc!r}", "error", 0)]
             if self._on_step:
                 self._on_step(len(stepped), len(self.waiting))
             for seq in stepped:

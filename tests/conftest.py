@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import socket
 import sysconfig
 import tempfile
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+import torch.distributed as dist
 from ray.cluster_utils import Cluster
 
 from train.config import TrainConfig, load_config
@@ -74,6 +76,20 @@ def tiny_config(tiny_dataset, tmp_path):
     return build
 
 
+@pytest.fixture(scope="module")
+def process_group():
+    """A one-process gloo group, for DeepSpeed engines built in the test process."""
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setenv("LOCAL_RANK", "0")  # DeepSpeed reads it; Ray Train sets it on real workers
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+    monkeypatch.undo()
+
+
 @pytest.fixture(scope="session")
 def memorized_export(tmp_path_factory) -> str:
     """A small GPT trained in-process (seconds) to recite MEMORIZED_TEXT, saved as a training export.
@@ -95,6 +111,5 @@ def memorized_export(tmp_path_factory) -> str:
         optimizer.step()
     assert loss.item() < 0.05, f"the serving test model did not learn its text (loss {loss.item():.3f})"
     out = str(tmp_path_factory.mktemp("memorized") / "export")
-    info = {"tokenizer": ByteTokenizer().to_dict(), "provenance": {"config": {"run": {"name": "memorized"}}}}
-    save_export(model.state_dict(), cfg, out, info)
+    save_export(model.state_dict(), cfg, ByteTokenizer(), out, {"config": {"run": {"name": "memorized"}}})
     return out

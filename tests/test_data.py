@@ -8,7 +8,7 @@ import pytest
 
 from train.data import list_source, load_manifest, load_split, prepare
 from train.loader import SampleOrder, micro_batch_samples
-from train.tokenizer import ByteTokenizer
+from train.tokenizer import ByteTokenizer, load_tokenizer
 
 
 def _documents(n: int = 60) -> list[str]:
@@ -29,6 +29,26 @@ def test_prepared_sequences_are_the_corpus_bytes(tiny_dataset, corpus_dir):
         # A sequence is document bytes with end-of-text tokens between documents.
         for piece in tokenizer.decode(row).split(b"\n")[1:-1]:
             assert piece in corpus
+
+
+def test_bpe_prepare_reports_tokens_per_byte_and_its_tokenizer_is_reusable_by_path(tiny_dataset, corpus_dir, tmp_path):
+    out = str(tmp_path / "bpe")
+    manifest = prepare(f"{corpus_dir}/**/*.py", out, seq_len=64, val_fraction=0.1, tokenizer="bpe", vocab_size=1024)
+    tokenizer = load_tokenizer(out)
+    assert manifest["tokenizer"] == tokenizer.spec() and tokenizer.vocab_size == 1024
+    # Python source compresses to well under half a token per byte; the byte tokenizer is 1 (+ end-of-text).
+    assert manifest["tokens_per_byte"] < 0.5 < 1.0 < load_manifest(tiny_dataset)["tokens_per_byte"] < 1.01
+    assert manifest["source_sha256"] == load_manifest(tiny_dataset)["source_sha256"]
+    corpus = b"".join(p.read_bytes() for p in corpus_dir.rglob("*.py"))
+    rows = load_split(out, "train")
+    assert rows.shape[1] == 65 and rows.max() < 1024
+    for row in (rows[0], rows[len(rows) // 2]):
+        for piece in tokenizer.decode(row).split(b"\n")[1:-1]:
+            assert piece in corpus
+    # Preparing with that tokenizer file gives the same sequences: a tokenizer is reusable by path.
+    again = prepare(f"{corpus_dir}/**/*.py", str(tmp_path / "again"), 64, 0.1, tokenizer=f"{out}/tokenizer.json")
+    assert again["tokenizer"] == manifest["tokenizer"]
+    assert np.array_equal(load_split(str(tmp_path / "again"), "train"), rows)
 
 
 def test_same_documents_as_text_jsonl_and_parquet_give_the_same_source_hash(ray_session, tmp_path):

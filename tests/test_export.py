@@ -1,34 +1,30 @@
-"""Export from a live DeepSpeed engine (one process, gloo) and reload: identical logits."""
-
-import socket
+"""Export from a live DeepSpeed engine (one process, gloo) and reload, in raywright and in transformers."""
 
 import deepspeed
 import pytest
 import torch
-import torch.distributed as dist
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.conftest import MEMORIZED_TEXT
 from train.config import load_config
 from train.ds_config import build_ds_config
 from train.export import export_model, load_exported
 from train.model import GPT
+from train.tokenizer import ByteTokenizer, train_bpe
+
+SAMPLES = [MEMORIZED_TEXT, "def f(x):\n\treturn  x  # 日本語\n", "naïve café, 中文 and   spaces\r\n"]
 
 
-@pytest.fixture(scope="module")
-def process_group():
-    monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setenv("LOCAL_RANK", "0")  # DeepSpeed reads it; Ray Train sets it on real workers
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-    monkeypatch.undo()
-
-
-@pytest.mark.parametrize("stage", [0, 3])
-def test_export_then_reload_gives_identical_logits(process_group, tmp_path, stage):
-    cfg = load_config("tiny", [f"deepspeed.zero_stage={stage}", "scaling.num_workers=1"])
+@pytest.mark.parametrize("stage, tokenizer_kind", [(0, "byte"), (3, "bpe")])
+def test_export_loads_in_raywright_and_transformers_with_the_same_logits_and_tokens(
+    process_group, tmp_path, monkeypatch, stage, tokenizer_kind
+):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # everything from the directory, nothing from a hub
+    tokenizer = ByteTokenizer() if tokenizer_kind == "byte" else train_bpe(SAMPLES * 20, vocab_size=320)
+    cfg = load_config(
+        "tiny",
+        [f"deepspeed.zero_stage={stage}", "scaling.num_workers=1", f"model.vocab_size={tokenizer.vocab_size}"],
+    )
     torch.manual_seed(0)
     model = GPT(cfg.model)
     engine, *_ = deepspeed.initialize(
@@ -44,9 +40,30 @@ def test_export_then_reload_gives_identical_logits(process_group, tmp_path, stag
     with torch.no_grad():
         expected = engine(tokens[:, :-1])
 
-    export_model(engine, cfg.model, str(tmp_path), {"provenance": {"test": True}})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
-    reloaded, info = load_exported(str(tmp_path))
+    export_model(engine, cfg.model, tokenizer, str(tmp_path), {"test": True})
+    assert {p.name for p in tmp_path.iterdir()} == {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "generation_config.json",
+        "raywright.json",
+    }
+    reloaded = load_exported(str(tmp_path))
     with torch.no_grad():
-        assert torch.equal(reloaded(tokens[:, :-1]), expected)
-    assert info["model"]["d_model"] == cfg.model.d_model and info["provenance"] == {"test": True}
+        assert torch.equal(reloaded.model(tokens[:, :-1]), expected)
+    assert reloaded.provenance == {"test": True}
+    assert reloaded.tokenizer.spec() == tokenizer.spec()
+
+    hf_model = AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True).eval()
+    with torch.no_grad():
+        hf_logits = hf_model(tokens[:, :-1]).logits
+    # The same math in another implementation: equal up to float32 reordering.
+    assert torch.allclose(hf_logits, expected, atol=1e-5, rtol=0)
+    hf_tokenizer = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    for text in SAMPLES:
+        ids = hf_tokenizer(text)["input_ids"]
+        assert ids == tokenizer.encode(text).tolist()
+        assert hf_tokenizer.decode(ids) == text
+    assert hf_tokenizer.eos_token_id == hf_model.config.eos_token_id == tokenizer.eot_id

@@ -25,8 +25,8 @@ def encode(text: str) -> list[int]:
 
 
 def make_engine(export: str, precision: str, max_batch: int = 8) -> Engine:
-    model, _ = load_exported(export)
-    return Engine(Decoder(model, max_batch, precision), TOKENIZER)
+    exported = load_exported(export)
+    return Engine(Decoder(exported.model, max_batch, precision), exported.tokenizer)
 
 
 def test_int8_linear_is_close_to_float_and_independent_of_the_batch():

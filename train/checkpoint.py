@@ -2,7 +2,7 @@
 
 Layout: ``<run>/checkpoints/step_00000120/`` holds DeepSpeed's shards and, written last
 by rank 0 once every rank has finished, ``metadata.json``: the step, samples seen, world
-size, global batch, config, tokenizer and the size of every shard file. A checkpoint
+size, global batch, config, tokenizer and the size of every file, ``tokenizer.json`` included. A checkpoint
 counts only when its metadata exists and every file it lists is there at that size; a
 half-written one is skipped with a warning, so a crash mid-save never becomes "latest".
 """
@@ -23,6 +23,7 @@ import torch.distributed as dist
 from deepspeed.checkpoint import ds_to_universal
 
 from train import storage
+from train.tokenizer import BPETokenizer, save_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +70,8 @@ def latest_complete(run_uri: str) -> dict[str, Any] | None:
     return None
 
 
-def save(engine, run_uri: str, step: int, metadata: dict[str, Any], keep_last: int) -> str:
-    """Save a checkpoint from every rank (a collective call); returns its URI."""
+def save(engine, run_uri: str, step: int, metadata: dict[str, Any], keep_last: int, tokenizer: BPETokenizer) -> str:
+    """Save a checkpoint, with its tokenizer, from every rank (a collective call); returns its URI."""
     uri = checkpoint_uri(run_uri, step)
     tag = os.path.basename(uri)
     if storage.is_local(run_uri):
@@ -81,6 +82,7 @@ def save(engine, run_uri: str, step: int, metadata: dict[str, Any], keep_last: i
             storage.copy_dir(os.path.join(staging, tag), uri)
     dist.barrier()  # every shard is in place before the metadata says so
     if dist.get_rank() == 0:
+        save_tokenizer(tokenizer, uri)
         files = _file_sizes(uri)
         storage.write_json(storage.join(uri, METADATA), {**metadata, "step": step, "files": files, "time": time.time()})
         _prune(run_uri, keep_last)

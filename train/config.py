@@ -14,7 +14,9 @@ from typing import Any, Literal
 import yaml
 
 from train.batching import check_batch_divides
+from train.hf_gpt2 import read_model_config, weight_files
 from train.model import ModelConfig
+from train.tokenizer import MAX_VOCAB, load_tokenizer
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -25,11 +27,18 @@ class DataConfig:
     path: str = ""  # prepared dataset directory; "" = data/<hash of the preparation settings>
     text_column: str = "text"  # for JSONL and Parquet sources
     val_fraction: float = 0.02  # share of documents held out for validation
-    tokenizer: Literal["byte"] = "byte"
+    # byte (one token per byte, no setup), bpe (a byte-level BPE trained on the source by prepare),
+    # or the path of a tokenizer.json or of a Hugging Face model directory holding one.
+    tokenizer: str = "byte"
+    vocab_size: int = 4096  # of a trained BPE (data.tokenizer: bpe), all 256 bytes and end-of-text included
 
     def validate(self) -> None:
         if not 0.0 < self.val_fraction < 0.5:
             raise ValueError(f"data.val_fraction must be in (0, 0.5), got {self.val_fraction}")
+        if not 257 <= self.vocab_size <= MAX_VOCAB:
+            raise ValueError(f"data.vocab_size must be in [257, {MAX_VOCAB}], got {self.vocab_size}")
+        if not self.tokenizer:
+            raise ValueError("data.tokenizer must be byte, bpe or the path of a tokenizer")
 
 
 @dataclass
@@ -312,9 +321,43 @@ def resolve_recipe(recipe: str) -> Path:
 
 
 def load_config(recipe: str | None = None, overrides: list[str] = ()) -> TrainConfig:
-    """Load a recipe (name or path), apply ``--set`` overrides, and validate everything."""
+    """Load a recipe (name or path), apply ``--set`` overrides, validate everything, and resolve the model."""
     tree = read_tree(str(resolve_recipe(recipe)) if recipe else None, overrides, "recipe")
-    return build_config(TrainConfig, tree)
+    return resolve_model(build_config(TrainConfig, tree))
+
+
+def resolve_model(cfg: TrainConfig) -> TrainConfig:
+    """The model that ``model.init_from`` and the tokenizer imply, read on the driver before Ray starts.
+
+    With ``model.init_from``, its config.json gives the model's shape (dropout stays the recipe's)
+    and its tokenizer becomes ``data.tokenizer``. Otherwise ``model.vocab_size`` is raised to the
+    tokenizer's vocabulary where it is smaller (a larger one pads the embedding).
+    """
+    model, data = cfg.model, cfg.data
+    if model.init_from:
+        if data.tokenizer not in ("byte", model.init_from):
+            raise ConfigError(
+                f"data.tokenizer: a run from model.init_from uses that model's tokenizer; drop {data.tokenizer!r}"
+            )
+        try:
+            shape = read_model_config(model.init_from)
+            weight_files(model.init_from)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"model.init_from: {exc}") from None
+        model = dataclasses.replace(shape, dropout=model.dropout, init_from=model.init_from)
+        data = dataclasses.replace(data, tokenizer=model.init_from)
+    if data.tokenizer == "byte":
+        vocab = 257
+    elif data.tokenizer == "bpe":
+        vocab = data.vocab_size
+    else:
+        try:
+            vocab = load_tokenizer(data.tokenizer).vocab_size
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"data.tokenizer: {exc}") from None
+    if model.vocab_size < vocab:
+        model = dataclasses.replace(model, vocab_size=vocab)
+    return dataclasses.replace(cfg, model=model, data=data)
 
 
 def config_from_dict(values: dict[str, Any]) -> TrainConfig:

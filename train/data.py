@@ -21,7 +21,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from train import storage
-from train.tokenizer import ByteTokenizer, tokenizer_from_dict
+from train.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer, save_tokenizer, train_bpe
 
 MANIFEST = "manifest.json"
 SPLITS = ("train", "val")
@@ -85,17 +85,27 @@ def _read_documents(fs: pafs.FileSystem, files: list[str], kind: str, text_colum
 
 
 def _split_documents(batch: dict, val_fraction: float) -> dict:
-    """Per document: its content digest, its split, and its tokens followed by end-of-text."""
-    tokenizer = ByteTokenizer()
-    digests, splits, tokens = [], [], []
+    """Per document: its bytes, its content digest and its split."""
+    texts, digests, splits = [], [], []
     for text in batch["text"]:
         data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
         digest = hashlib.sha256(data).digest()
+        texts.append(data)
         digests.append(digest)
         # The first 8 digest bytes as a uniform number in [0, 1) choose the split.
         splits.append("val" if int.from_bytes(digest[:8], "big") / 2**64 < val_fraction else "train")
-        tokens.append(np.append(tokenizer.encode(data), tokenizer.eot_id).astype(np.uint16).tobytes())
-    return {"digest": digests, "split": splits, "tokens": tokens}
+    return {"text": texts, "digest": digests, "split": splits}
+
+
+def _tokenize(batch: dict, tokenizer: BPETokenizer) -> dict:
+    """Per document: its tokens followed by end-of-text, and its size in bytes."""
+    tokens = [np.append(tokenizer.encode(bytes(text)), tokenizer.eot_id).astype(np.uint16) for text in batch["text"]]
+    return {
+        "split": batch["split"],
+        "tokens": [t.tobytes() for t in tokens],
+        "num_tokens": [len(t) for t in tokens],
+        "num_bytes": [len(text) for text in batch["text"]],
+    }
 
 
 def _pack(batch: dict, seq_len: int) -> pa.Table:
@@ -106,8 +116,36 @@ def _pack(batch: dict, seq_len: int) -> pa.Table:
     return pa.table({"tokens": pa.FixedSizeListArray.from_arrays(flat, seq_len + 1)})
 
 
-def prepare(source: str, out: str, seq_len: int, val_fraction: float = 0.02, text_column: str = "text") -> dict:
-    """Tokenize ``source`` into Parquet shards under ``out`` and return the manifest."""
+def make_tokenizer(choice: str, vocab_size: int, docs) -> BPETokenizer:
+    """``data.tokenizer``: ``byte``, ``bpe`` (trained here on the training split of ``docs``), or a path."""
+    if choice == "byte":
+        return ByteTokenizer()
+    if choice == "bpe":
+        from ray.data.expressions import col
+
+        texts = (
+            bytes(text).decode("utf-8", errors="replace")
+            for batch in docs.filter(expr=col("split") == "train").iter_batches(batch_format="numpy")
+            for text in batch["text"]
+        )
+        return train_bpe(texts, vocab_size)
+    return load_tokenizer(choice)
+
+
+def prepare(
+    source: str,
+    out: str,
+    seq_len: int,
+    val_fraction: float = 0.02,
+    text_column: str = "text",
+    tokenizer: str = "byte",
+    vocab_size: int = 4096,
+) -> dict:
+    """Tokenize ``source`` into Parquet shards under ``out`` and return the manifest.
+
+    ``tokenizer`` and ``vocab_size`` are ``data.tokenizer`` and ``data.vocab_size``; the tokenizer
+    is stored in ``out/tokenizer.json``.
+    """
     import ray.data
     from ray.data.expressions import col
 
@@ -120,19 +158,25 @@ def prepare(source: str, out: str, seq_len: int, val_fraction: float = 0.02, tex
         .materialize()
     )
     digests = sorted(bytes(d) for d in docs.select_columns(["digest"]).to_pandas()["digest"])
+    chosen = make_tokenizer(tokenizer, vocab_size, docs)
+    tokens = docs.map_batches(_tokenize, fn_kwargs={"tokenizer": chosen}, batch_format="numpy").materialize()
     if storage.exists(out):
         storage.delete_dir(out)  # a rerun replaces an incomplete or stale preparation whole
     out_fs, out_path = storage.resolve(out)
+    save_tokenizer(chosen, out)
+    counts = tokens.select_columns(["num_tokens", "num_bytes"]).sum(["num_tokens", "num_bytes"])
     manifest = {
         "source": source,
         "source_sha256": hashlib.sha256(b"".join(digests)).hexdigest(),
         "documents": len(digests),
-        "tokenizer": ByteTokenizer().to_dict(),
+        "tokenizer": chosen.spec(),
+        # End-of-text tokens included: what a loss per token is multiplied by for bits per byte.
+        "tokens_per_byte": counts["sum(num_tokens)"] / counts["sum(num_bytes)"],
         "seq_len": seq_len,
         "val_fraction": val_fraction,
     }
     for split in SPLITS:
-        packed = docs.filter(expr=col("split") == split).map_batches(
+        packed = tokens.filter(expr=col("split") == split).map_batches(
             _pack, fn_kwargs={"seq_len": seq_len}, batch_format="numpy"
         )
         packed.write_parquet(f"{out_path}/{split}", filesystem=out_fs)
@@ -156,7 +200,6 @@ def load_split(path: str, split: str) -> np.ndarray:
     manifest = load_manifest(path)
     if manifest is None:
         raise FileNotFoundError(f"data.path: {path!r} has no {MANIFEST}; run `python -m train.data prepare`")
-    tokenizer_from_dict(manifest["tokenizer"])  # fail early on a dataset made by another tokenizer
     fs, root = storage.resolve(path)
     tables = [
         pq.read_table(f"{root}/{shard}", filesystem=fs, columns=["tokens"]) for shard in manifest[split]["shards"]
@@ -174,14 +217,19 @@ def main(argv: list[str] | None = None) -> None:
     prep.add_argument("--seq-len", type=int, default=256)
     prep.add_argument("--val-fraction", type=float, default=0.02)
     prep.add_argument("--text-column", default="text", help="column holding the text in JSONL/Parquet")
+    prep.add_argument("--tokenizer", default="byte", help="byte, bpe (trained on the source), or a tokenizer path")
+    prep.add_argument("--vocab-size", type=int, default=4096, help="vocabulary of a trained BPE")
     args = parser.parse_args(argv)
     import ray
 
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
-    manifest = prepare(args.source, args.out, args.seq_len, args.val_fraction, args.text_column)
+    manifest = prepare(
+        args.source, args.out, args.seq_len, args.val_fraction, args.text_column, args.tokenizer, args.vocab_size
+    )
     print(
         f"prepared {manifest['train']['sequences']} train and {manifest['val']['sequences']} validation "
-        f"sequences of {args.seq_len + 1} tokens from {manifest['documents']} documents into {args.out}"
+        f"sequences of {args.seq_len + 1} tokens from {manifest['documents']} documents into {args.out} "
+        f"({manifest['tokens_per_byte']:.3f} tokens per byte)"
     )
 
 

@@ -25,6 +25,7 @@ from train.export import export_uri
 from train.loop import train_loop
 from train.metrics import MetricsRecorder, read_metrics
 from train.timeline import TIMELINE_PREFIX, RunTimeline
+from train.tokenizer import load_tokenizer
 
 # One progress line per report in the terminal, without Ray Train's echo of every report.
 RAY_TRAIN_LOGGING_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_TRAIN_ENABLE_WORKER_STRUCTURED_LOGGING": "0"}
@@ -45,9 +46,9 @@ def dataset_path(cfg: TrainConfig) -> str:
     """``data.path``, or a directory under the storage path named by the preparation settings."""
     if cfg.data.path:
         return cfg.data.path
-    settings = json.dumps(
-        [cfg.data.source, cfg.data.text_column, cfg.data.val_fraction, cfg.data.tokenizer, cfg.model.seq_len]
-    )
+    data = cfg.data
+    tokenizer = [data.tokenizer, data.vocab_size] if data.tokenizer == "bpe" else [data.tokenizer]
+    settings = json.dumps([data.source, data.text_column, data.val_fraction, *tokenizer, cfg.model.seq_len])
     return storage.join(cfg.run.storage_path, "datasets", hashlib.sha256(settings.encode()).hexdigest()[:12])
 
 
@@ -109,6 +110,7 @@ def loop_args(cfg: TrainConfig, data_path: str, manifest: dict, timeline: str | 
         "data_path": storage.absolute(data_path),
         "local_run_dir": local_run_dir(cfg),
         "timeline": timeline,
+        "tokens_per_byte": manifest["tokens_per_byte"],
         "provenance": {
             "data_manifest_sha256": hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest(),
             "data_source_sha256": manifest["source_sha256"],
@@ -152,14 +154,29 @@ def local_run_dir(cfg: TrainConfig) -> str:
 
 def ensure_dataset(cfg: TrainConfig) -> tuple[str, dict]:
     """The prepared dataset's path and manifest, preparing it first if it is missing or incomplete."""
-    path = dataset_path(cfg)
+    data, path = cfg.data, dataset_path(cfg)
     manifest = load_manifest(path)
     if manifest is None:
-        print(f"preparing dataset from {cfg.data.source or 'the Python standard library'} into {path}", flush=True)
-        manifest = prepare(cfg.data.source, path, cfg.model.seq_len, cfg.data.val_fraction, cfg.data.text_column)
+        print(f"preparing dataset from {data.source or 'the Python standard library'} into {path}", flush=True)
+        manifest = prepare(
+            data.source, path, cfg.model.seq_len, data.val_fraction, data.text_column, data.tokenizer, data.vocab_size
+        )
+        print(f"{manifest['tokens_per_byte']:.3f} tokens per byte with the {data.tokenizer} tokenizer", flush=True)
     elif manifest["seq_len"] != cfg.model.seq_len:
         raise ValueError(
             f"data.path {path} holds sequences of {manifest['seq_len']} tokens, model.seq_len is {cfg.model.seq_len}"
+        )
+    tokenizer = manifest["tokenizer"]
+    if data.tokenizer in ("byte", "bpe"):
+        same_tokenizer = tokenizer["type"] == data.tokenizer
+    else:
+        same_tokenizer = tokenizer["sha256"] == load_tokenizer(data.tokenizer).spec()["sha256"]
+    if not same_tokenizer:
+        raise ValueError(f"data.path {path} was tokenized with another tokenizer than data.tokenizer {data.tokenizer}")
+    if tokenizer["vocab_size"] > cfg.model.vocab_size:
+        raise ValueError(
+            f"data.path {path} was tokenized with {tokenizer['vocab_size']} tokens, "
+            f"model.vocab_size is {cfg.model.vocab_size}"
         )
     return path, manifest
 

@@ -6,6 +6,7 @@ complete checkpoint (converting it if the world size changed), then trains optim
 """
 
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -23,11 +24,12 @@ from train.config import TrainConfig, config_from_dict
 from train.data import load_split
 from train.ds_config import build_ds_config
 from train.export import export_model, export_uri
+from train.hf_gpt2 import load_weights
 from train.loader import SampleOrder, micro_batch_samples
 from train.metrics import format_progress, memory_gb, peak_tflops
 from train.model import GPT, flops_per_token
 from train.schedule import lr_at
-from train.tokenizer import ByteTokenizer
+from train.tokenizer import load_tokenizer
 
 
 def _to_batch(rows: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,6 +58,15 @@ def evaluate(engine, val_rows: np.ndarray, micro_batch: int) -> float:
         total += loss.item() * micro_batch
     engine.train()
     return _mean_over_ranks(total, per_rank, engine.device)
+
+
+def _val_metrics(val_loss: float, tokens_per_byte: float) -> dict[str, float]:
+    """Validation loss (nats per token), perplexity, and bits per byte, which compares across tokenizers."""
+    return {
+        "val_loss": val_loss,
+        "val_perplexity": float(np.exp(val_loss)),
+        "val_bpb": val_loss * tokens_per_byte / math.log(2),
+    }
 
 
 def _report(metrics: dict[str, Any], max_steps: int, report: Callable[[dict], None]) -> None:
@@ -114,7 +125,8 @@ def train_loop(
 ) -> None:
     """Ray Train worker entry point; also run directly, in one process, by single-worker sweep trials.
 
-    ``args``: config (dict), run_uri, data_path, local_run_dir, provenance, timeline (actor name or None).
+    ``args``: config (dict), run_uri, data_path, local_run_dir, provenance, timeline (actor name or None),
+    tokens_per_byte (of the dataset, for bits per byte).
     ``report`` and ``preemption_info`` default to Ray Train's; a Tune trial passes Tune's report.
     """
     cfg = config_from_dict(args["config"])
@@ -124,6 +136,7 @@ def train_loop(
     rank, world = dist.get_rank(), dist.get_world_size()
     timeline = ray.get_actor(args["timeline"]) if args.get("timeline") and rank == 0 else None
 
+    tokenizer = load_tokenizer(args["data_path"])
     train_rows = load_split(args["data_path"], "train")
     val_rows = load_split(args["data_path"], "val")[: cfg.run.eval_samples]
     order = SampleOrder(len(train_rows), cfg.run.seed)
@@ -135,6 +148,8 @@ def train_loop(
 
     torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
     model = GPT(cfg.model)
+    if cfg.model.init_from and latest is None:
+        load_weights(model, cfg.model.init_from)
     ds_config = build_ds_config(cfg, world, load_universal=universal)
     engine, *_ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=ds_config, dist_init_required=False
@@ -150,7 +165,7 @@ def train_loop(
             print(f"resumed from {latest['uri']} at step {step} on {world} workers{via}", flush=True)
     else:
         val_loss = evaluate(engine, val_rows, optim.micro_batch_size)
-        _report({"step": 0, "val_loss": val_loss, "val_perplexity": float(np.exp(val_loss))}, optim.max_steps, report)
+        _report({"step": 0, **_val_metrics(val_loss, args["tokens_per_byte"])}, optim.max_steps, report)
     node_ids = [None] * world
     dist.all_gather_object(node_ids, ray.get_runtime_context().get_node_id())
     if timeline:
@@ -162,7 +177,7 @@ def train_loop(
         "world_size": world,
         "global_batch_size": optim.global_batch_size,
         "config": cfg.to_dict(),
-        "tokenizer": ByteTokenizer().to_dict(),
+        "tokenizer": tokenizer.spec(),
         "data_manifest_sha256": args["provenance"]["data_manifest_sha256"],
     }
     sample_log = os.path.join(args["local_run_dir"], "samples.jsonl") if cfg.run.sample_log else None
@@ -229,7 +244,7 @@ def train_loop(
             metrics.update({f"resize_{key}": value for key, value in resize.items()})
         if step % cfg.run.eval_every == 0 or step == optim.max_steps:
             val_loss = evaluate(engine, val_rows, optim.micro_batch_size)
-            metrics.update(step=step, val_loss=val_loss, val_perplexity=float(np.exp(val_loss)))
+            metrics.update(step=step, **_val_metrics(val_loss, args["tokens_per_byte"]))
 
         # A draining node (spot pre-emption) gets a just-in-time checkpoint at the notice, and a last
         # one shortly before the deadline, so that the steps trained while waiting are not redone.
@@ -257,6 +272,7 @@ def train_loop(
                 step,
                 {**metadata, "samples_seen": step * optim.global_batch_size, "reason": reason},
                 cfg.checkpoint.keep_last,
+                tokenizer,
             )
             last_save = time.time()
             save_seconds = last_save - save_start
@@ -268,12 +284,5 @@ def train_loop(
         if metrics:
             _report(metrics, optim.max_steps, report)
 
-    export_model(
-        engine,
-        cfg.model,
-        export_uri(run_uri),
-        {
-            "tokenizer": ByteTokenizer().to_dict(),
-            "provenance": {**args["provenance"], "step": step, "config": cfg.to_dict()},
-        },
-    )
+    provenance = {**args["provenance"], "step": step, "config": cfg.to_dict()}
+    export_model(engine, cfg.model, tokenizer, export_uri(run_uri), provenance)

@@ -40,7 +40,7 @@ def format_progress(m: dict[str, Any], max_steps: int) -> str:
         parts += [f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}", f"{m['tokens_per_s']:,.0f} tok/s"]
         parts += [f"mfu {m['mfu']:.1%}" if m.get("mfu") is not None else "mfu n/a", f"mem {m['memory_gb']:.2f} GB"]
     if "val_loss" in m:
-        parts.append(f"val_loss {m['val_loss']:.4f} (ppl {m['val_perplexity']:.2f})")
+        parts.append(f"val_loss {m['val_loss']:.4f} (ppl {m['val_perplexity']:.2f}, {m['val_bpb']:.3f} bits/byte)")
     return " | ".join(parts)
 
 

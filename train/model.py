@@ -7,6 +7,7 @@ embedding. The same class is trained by ``train/`` and served by ``serve/``.
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,10 @@ class ModelConfig:
     n_head: int = 4
     d_model: int = 256
     dropout: float = 0.0
+    activation: Literal["gelu", "gelu_tanh"] = "gelu"  # exact GELU, or the tanh approximation of OpenAI's GPT-2
+    # A Hugging Face GPT-2 directory (local or URI) to start training from: its shape and its
+    # tokenizer replace the fields above and data.tokenizer (train/hf_gpt2.py).
+    init_from: str = ""
 
     def validate(self) -> None:
         if self.d_model % self.n_head:
@@ -54,9 +59,10 @@ class MLP(nn.Module):
         super().__init__()
         self.up = nn.Linear(cfg.d_model, 4 * cfg.d_model)
         self.down = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.gelu(self.up(x)))
+        return self.down(F.gelu(self.up(x), approximate=self.approximate))
 
 
 class Block(nn.Module):
