@@ -32,7 +32,7 @@ from ray import serve
 
 from serve.app import build_app, resolve_export
 from serve.decoder import Decoder
-from serve.engine import ContinuousBatcher, Engine, GenerationParams
+from serve.engine import ContinuousBatcher, Engine, GenerationParams, Sequence
 from train.config import config_from_dict, load_config
 from train.data import load_split
 from train.export import load_exported
@@ -119,7 +119,7 @@ def engine_throughput(export: str, prompts: list[str], in_flight: int, seconds: 
         while time.perf_counter() < deadline:
             prompt = [int(t) for t in exported.tokenizer.encode(prompts[i % len(prompts)])]
             i += in_flight
-            async for _ in batcher.generate(prompt, params):
+            async for _ in batcher.generate(Sequence(prompt, params)):
                 pass
             done += 1
 

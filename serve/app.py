@@ -1,73 +1,156 @@
-"""OpenAI-compatible completions for a raywright model, on Ray Serve.
+"""OpenAI-compatible completions for a raywright model (or any GPT-2 directory), on Ray Serve.
 
-    POST /v1/completions   prompt, max_tokens, temperature, top_p, stop, seed, stream (SSE)
-    GET  /v1/models        the served model
-    GET  /health, /ready   liveness and readiness (no API key)
+    POST /v1/completions        prompt, max_tokens, temperature, top_p, stop, seed, n, logprobs, echo,
+                                presence/frequency_penalty, user, stream (SSE) and stream_options
+    POST /v1/chat/completions   messages, for models whose tokenizer declares a chat template
+    GET  /v1/models             the served model
+    GET  /health, /ready        liveness and readiness (no API key)
 
 ``build_app(args)`` is the application builder for ``serve deploy`` / ``serve run``
-(``import_path: serve.app:build_app``); ``args`` are the fields of ServeConfig.
-Bad requests get a 4xx naming the field, before any work is queued.
+(``import_path: serve.app:build_app``); ``args`` are the fields of ServeConfig. The request
+and response bodies are pydantic models, so ``/openapi.json`` and ``/docs`` document the API.
+Bad requests get a 400 naming the field before any work is queued; no request can fail another.
 """
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from dataclasses import replace
+from typing import Any, Literal
 
 import torch
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from serve.config import ServeConfig, serve_config_from_dict
 from serve.decoder import Decoder
 from serve.engine import Chunk, ContinuousBatcher, Engine, GenerationParams, Sequence
+from serve.sampling import TokenLogprob
 from train import storage
 from train.export import export_uri, load_exported
 from train.hf_gpt2 import CONFIG
+from train.tokenizer import EOT
 
-api = FastAPI(title="raywright")
+logger = logging.getLogger(__name__)
 
-
-class CompletionRequest(BaseModel):
-    # Strict: "4" is not a number and unknown fields are errors, so typos never pass silently.
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    prompt: str = Field(min_length=1)
-    model: str | None = None
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    stop: str | list[str] | None = Field(None, max_length=4)
-    seed: int | None = None
-    stream: bool = False
+api = FastAPI(title="raywright", description="OpenAI-compatible completions of a GPT served by raywright.")
 
 
-def error_response(status: int, message: str, param: str | None = None, **headers: str) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
-    return JSONResponse(body, status_code=status, headers=headers or None)
+class StrictBody(BaseModel):
+    # Strict: "4" is not a number, NaN is not a float and unknown fields are errors, so typos never pass silently.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-class RequestError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None):
+class StreamOptions(StrictBody):
+    include_usage: bool = Field(False, description="Send the token usage in a last chunk with no choices.")
+
+
+class SamplingFields(StrictBody):
+    model: str | None = Field(None, description="The served model's id (GET /v1/models); any other is a 404.")
+    max_tokens: int = Field(16, ge=1, description="Tokens to generate at most; prompt + max_tokens <= context.")
+    temperature: float = Field(
+        1.0, ge=0.0, le=2.0, description="0 (or below 0.001) is greedy decoding; higher is more random."
+    )
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling; the most likely token always stays.")
+    stop: str | list[str] | None = Field(None, description="Up to 4 sequences that end the text (not included).")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Makes sampling repeatable, alone or in a batch.")
+    n: int = Field(1, ge=1, le=8, description="Completions per request (choice i is seeded seed + i).")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted once from generated tokens.")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted per occurrence.")
+    user: str | None = Field(None, max_length=256, description="The end user's id, for the server's logs.")
+    stream: bool = Field(False, description="Server-sent events, one chunk per token, then [DONE].")
+    stream_options: StreamOptions | None = None
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else self.stop or []
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str = Field(min_length=1, description="The text to continue.")
+    logprobs: int | None = Field(None, ge=0, le=5, description="Logprobs of each token and of the k most likely.")
+    echo: bool = Field(False, description="Return the prompt before the completion (with logprobs, its logprobs).")
+
+
+class ChatMessage(StrictBody):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
+    logprobs: bool = Field(False, description="Return the logprob of each generated token.")
+    top_logprobs: int | None = Field(None, ge=0, le=5, description="With logprobs: the k most likely at each token.")
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+class ApiError(Exception):
+    """A request the server answers with an error in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.headers = status, message, param, headers
 
 
-def parse_request(body: bytes) -> CompletionRequest:
-    try:
-        return CompletionRequest.model_validate_json(body or b"{}")
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        if first["type"] == "json_invalid":
-            raise RequestError(400, "the request body is not valid JSON") from None
-        param = str(first["loc"][0]) if first["loc"] else None
-        raise RequestError(400, f"{param or 'body'}: {first['msg']}", param) from None
+def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = ErrorBody(error=ErrorDetail(message=message, type=kind, param=param))
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+@api.exception_handler(ApiError)
+async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+    return error_response(exc.status, exc.message, exc.param, exc.headers)
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0]
+    if first["type"] == "json_invalid":
+        return error_response(400, "the request body is not valid JSON")
+    where = [str(part) for part in first["loc"][1:]]  # loc[0] is "body"
+    if not where:  # the body as a whole: not JSON (say, a form) or not an object
+        return error_response(400, "the request body is not a JSON object")
+    return error_response(400, f"{'.'.join(where)}: {first['msg']}", where[0])
+
+
+@api.middleware("http")
+async def _limit_body_size(request: Request, call_next):
+    """Refuse a body over the limit from its Content-Length, before authentication or parsing reads it."""
+    limit = getattr(request.app.state, "max_request_bytes", None)
+    if request.method == "POST" and limit is not None:
+        length = request.headers.get("content-length")
+        if length is None:
+            return error_response(411, "send the body with a Content-Length header")
+        if not length.isdigit() or int(length) > limit:
+            return error_response(413, f"the request body is over the limit of {limit} bytes")
+    return await call_next(request)
+
+
+def require_api_key(request: Request) -> None:
+    """Checked before the body is validated: without the key, nothing about the request is answered."""
+    key = request.app.state.api_key
+    given = request.headers.get("authorization", "")
+    if key and not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)")
 
 
 def resolve_export(checkpoint: str) -> str:
@@ -79,6 +162,17 @@ def resolve_export(checkpoint: str) -> str:
     raise FileNotFoundError(f"checkpoint: no {CONFIG} in {checkpoint} or in its export/ directory")
 
 
+def chat_template(location: str) -> str | None:
+    """The chat template a model directory's tokenizer_config.json declares, if any."""
+    path = storage.join(location, "tokenizer_config.json")
+    template = storage.read_json(path).get("chat_template") if storage.exists(path) else None
+    return template if isinstance(template, str) else None
+
+
+def _token_text(data: bytes) -> str:
+    return data.decode("utf-8", errors="backslashreplace")  # a token may hold part of a character
+
+
 @serve.deployment
 @serve.ingress(api)
 class CompletionServer:
@@ -86,11 +180,15 @@ class CompletionServer:
         cfg = serve_config_from_dict(config)
         torch.set_num_threads(cfg.torch_threads)
         device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
-        exported = load_exported(resolve_export(cfg.checkpoint))
+        location = resolve_export(cfg.checkpoint)
+        exported = load_exported(location)
         self.model_name = cfg.model_name or exported.name
         self.precision = "int8" if cfg.precision == "auto" else cfg.precision
         self.context = exported.model.cfg.seq_len
         self.tokenizer = exported.tokenizer
+        template = chat_template(location)
+        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        self.chat_template = environment.from_string(template) if template else None
         max_batch = 1 if cfg.batching == "none" else cfg.max_batch_size
         self.engine = Engine(Decoder(exported.model, max_batch, self.precision, device), self.tokenizer)
         self.batching = cfg.batching
@@ -98,8 +196,11 @@ class CompletionServer:
         self.serve_batch_lock = asyncio.Lock()
         self._generate_serve_batch.set_max_batch_size(cfg.max_batch_size)
         self._generate_serve_batch.set_batch_wait_timeout_s(cfg.batch_wait_timeout_s)
-        self.api_key = cfg.resolved_api_key()
+        self.request_timeout_s = cfg.request_timeout_s
+        api.state.api_key = cfg.resolved_api_key()
+        api.state.max_request_bytes = cfg.max_request_bytes
         self.created = int(time.time())
+        self.generated_tokens = 0
         self.latency = Histogram(
             "raywright_request_latency_s",
             description="Seconds from a completion request to its last token.",
@@ -111,16 +212,18 @@ class CompletionServer:
         )
         self.queue_depth = Gauge("raywright_queue_depth", description="Requests waiting for a batch slot.")
 
-    def _record_step(self, batch_size: int, queue_depth: int) -> None:
-        self.tokens.inc(batch_size)
-        self.batch_size.observe(batch_size)
-        self.queue_depth.set(queue_depth)
+    def check_health(self) -> None:
+        """Serve's health check: a replica whose decode loop died is replaced."""
+        failure = self.batcher.loop_failed
+        if failure is not None:
+            raise RuntimeError(f"the decode loop stopped: {failure!r}")
 
-    def _authorized(self, request: Request) -> bool:
-        if not self.api_key:
-            return True
-        given = request.headers.get("authorization", "")
-        return secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode())
+    def _record_step(self, batch_size: int, queue_depth: int) -> None:
+        self.generated_tokens += batch_size
+        if batch_size:  # Ray's Counter refuses an increment of 0
+            self.tokens.inc(batch_size)
+            self.batch_size.observe(batch_size)
+        self.queue_depth.set(queue_depth)
 
     @api.get("/health")
     def health(self) -> dict:
@@ -128,54 +231,166 @@ class CompletionServer:
 
     @api.get("/ready")
     def ready(self) -> dict:
-        return {"status": "ready", "model": self.model_name, "precision": self.precision}
+        """Readiness, and this replica's load: sequences decoding, requests waiting, tokens generated so far."""
+        return {
+            "status": "ready",
+            "model": self.model_name,
+            "precision": self.precision,
+            "in_flight": len(self.engine.live),
+            "waiting": self.batcher.queue_depth,
+            "generated_tokens": self.generated_tokens,
+        }
 
-    @api.get("/v1/models")
-    def models(self, request: Request) -> Response:
-        if not self._authorized(request):
-            return error_response(401, "missing or wrong API key (Authorization: Bearer ...)")
+    @api.get("/v1/models", dependencies=[Depends(require_api_key)])
+    def models(self) -> dict:
         card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "raywright"}
-        return JSONResponse({"object": "list", "data": [card]})
+        return {"object": "list", "data": [card]}
 
-    @api.post("/v1/completions")
-    async def completions(self, request: Request) -> Response:
-        if not self._authorized(request):
-            return error_response(401, "missing or wrong API key (Authorization: Bearer ...)")
-        try:
-            body = parse_request(await request.body())
-            prompt, params = self._validate(body)
-        except RequestError as exc:
-            return error_response(exc.status, exc.message, exc.param)
-        chunks = self._generate(prompt, params)
+    @api.post("/v1/completions", dependencies=[Depends(require_api_key)], responses={400: {"model": ErrorBody}})
+    async def completions(self, body: CompletionRequest) -> Response:
+        prompt = self._prompt_tokens(body, body.prompt)
+        params = self._params(body, body.logprobs, prompt_logprobs=body.echo and body.logprobs is not None)
         reply = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "model": self.model_name}
-        if body.stream:
-            return StreamingResponse(self._sse(reply, chunks), media_type="text/event-stream")
-        return await self._complete(reply, chunks, len(prompt))
+        echo = body.prompt if body.echo else ""
 
-    def _validate(self, body: CompletionRequest) -> tuple[list[int], GenerationParams]:
+        def choice(index: int, seq: Sequence, text: str, finish: str | None, logprobs: list, first: bool) -> dict:
+            out = {"text": (echo if first else "") + text, "index": index, "logprobs": None, "finish_reason": finish}
+            if body.logprobs is not None:
+                with_prompt = first and body.echo
+                prompt_part = [None, *seq.prompt_logprobs] if with_prompt else []
+                out["logprobs"] = self._completion_logprobs(prompt if with_prompt else [], prompt_part, logprobs)
+            return out
+
+        return await self._respond(body, reply, prompt, params, choice)
+
+    @api.post("/v1/chat/completions", dependencies=[Depends(require_api_key)], responses={400: {"model": ErrorBody}})
+    async def chat_completions(self, body: ChatCompletionRequest) -> Response:
+        if self.chat_template is None:
+            raise ApiError(400, f"model {self.model_name!r} declares no chat template; use /v1/completions", "messages")
+        messages = [m.model_dump() for m in body.messages]
+        try:
+            text = self.chat_template.render(messages=messages, add_generation_prompt=True, eos_token=EOT)
+        except TemplateError:
+            raise ApiError(400, "the model's chat template cannot render these messages", "messages") from None
+        prompt = self._prompt_tokens(body, text, param="messages")
+        params = self._params(body, (body.top_logprobs or 0) if body.logprobs else None)
+        reply = {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "model": self.model_name}
+
+        def choice(index: int, seq: Sequence, text: str, finish: str | None, logprobs: list, first: bool) -> dict:
+            message = {"role": "assistant", "content": text}
+            content = [self._chat_logprob(lp) for lp in logprobs] if body.logprobs else None
+            return {
+                "index": index,
+                "delta" if body.stream else "message": message,
+                "logprobs": None if content is None else {"content": content},
+                "finish_reason": finish,
+            }
+
+        return await self._respond(body, reply, prompt, params, choice)
+
+    def _prompt_tokens(self, body: SamplingFields, text: str, param: str = "prompt") -> list[int]:
         if body.model is not None and body.model != self.model_name:
-            raise RequestError(404, f"model: {body.model!r} is not served here; this server has {self.model_name!r}")
-        prompt = [int(t) for t in self.tokenizer.encode(body.prompt)]
+            raise ApiError(
+                404, f"model: {body.model!r} is not served here; this server has {self.model_name!r}", "model"
+            )
+        if isinstance(body.stop, list) and len(body.stop) > 4:
+            raise ApiError(400, f"stop: at most 4 sequences, got {len(body.stop)}", "stop")
+        prompt = [int(t) for t in self.tokenizer.encode(text)]
+        if not prompt:
+            raise ApiError(400, f"{param}: the text encodes to no tokens", param)
         if len(prompt) >= self.context:
-            raise RequestError(400, f"prompt: {len(prompt)} tokens, the context is {self.context}", "prompt")
+            raise ApiError(400, f"{param}: {len(prompt)} tokens, the context is {self.context}", param)
         if len(prompt) + body.max_tokens > self.context:
-            raise RequestError(
+            raise ApiError(
                 400,
                 f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({body.max_tokens}) exceeds "
                 f"the context of {self.context} tokens",
                 "max_tokens",
             )
-        stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
-        return prompt, GenerationParams(body.max_tokens, body.temperature, body.top_p, stop, body.seed)
+        return prompt
 
-    async def _generate(self, prompt: list[int], params: GenerationParams) -> AsyncIterator[Chunk]:
+    def _params(self, body: SamplingFields, logprobs: int | None, prompt_logprobs: bool = False) -> GenerationParams:
+        return GenerationParams(
+            max_tokens=body.max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            stop=body.stops(),
+            seed=body.seed,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _completion_logprobs(
+        self, prompt: list[int], prompt_part: list[TokenLogprob | None], generated: list[TokenLogprob]
+    ) -> dict:
+        """OpenAI's legacy completions logprobs: tokens, their logprobs, the top alternatives and text offsets."""
+        tokens = [*prompt, *(lp.token for lp in generated)]
+        entries = [*prompt_part, *generated]
+        texts = [_token_text(self.tokenizer.decode([t])) for t in tokens]
+        offsets, at = [], 0
+        for text in texts:
+            offsets.append(at)
+            at += len(text)
+        return {
+            "tokens": texts,
+            "token_logprobs": [lp.logprob if lp else None for lp in entries],
+            "top_logprobs": [
+                {_token_text(self.tokenizer.decode([t])): v for t, v in lp.top} if lp else None for lp in entries
+            ],
+            "text_offset": offsets,
+        }
+
+    def _chat_logprob(self, lp: TokenLogprob) -> dict:
+        def entry(token: int, logprob: float) -> dict:
+            data = self.tokenizer.decode([token])
+            return {"token": _token_text(data), "logprob": logprob, "bytes": list(data)}
+
+        return {**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+
+    async def _respond(self, body: SamplingFields, reply: dict, prompt: list[int], params, choice) -> Response:
+        """Run ``n`` generations; a JSON body, or SSE chunks (each choice's tokens as they come).
+
+        ``choice(index, sequence, text, finish_reason, logprobs, first)`` formats one choice.
+        """
+        seeds = [None if params.seed is None else params.seed + i for i in range(body.n)]
+        sequences = [Sequence(prompt, replace(params, seed=seed)) for seed in seeds]
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            events = self._sse(reply, sequences, choice, len(prompt), usage)
+            return StreamingResponse(events, media_type="text/event-stream")
         start = time.perf_counter()
-        if self.batching == "serve_batch":
-            yield await self._generate_serve_batch(Sequence(prompt, params))
-        else:
-            async for chunk in self.batcher.generate(prompt, params):
-                yield chunk
+        results = await asyncio.gather(*(self._collect(seq) for seq in sequences))
         self.latency.observe(time.perf_counter() - start)
+        for chunks in results:
+            if chunks[-1].finish_reason in ("error", "timeout"):
+                return error_response(504 if chunks[-1].finish_reason == "timeout" else 500, chunks[-1].text)
+        choices = []
+        for index, (seq, chunks) in enumerate(zip(sequences, results, strict=True)):
+            text, logprobs = "".join(c.text for c in chunks), [lp for c in chunks for lp in c.logprobs]
+            choices.append(choice(index, seq, text, chunks[-1].finish_reason, logprobs, True))
+        usage = self._usage(len(prompt), sum(c.tokens for chunks in results for c in chunks))
+        return JSONResponse({**reply, "created": int(time.time()), "choices": choices, "usage": usage})
+
+    @staticmethod
+    def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+
+    def _chunks(self, seq: Sequence) -> AsyncIterator[Chunk]:
+        if self.batching == "serve_batch":
+            return self._serve_batch_chunks(seq)
+        return self.batcher.generate(seq, self.request_timeout_s)
+
+    async def _collect(self, seq: Sequence) -> list[Chunk]:
+        return [chunk async for chunk in self._chunks(seq)]
+
+    async def _serve_batch_chunks(self, seq: Sequence) -> AsyncIterator[Chunk]:
+        yield await self._generate_serve_batch(seq)
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.01)
     async def _generate_serve_batch(self, batch: list[Sequence]) -> list[Chunk]:
@@ -183,30 +398,56 @@ class CompletionServer:
         async with self.serve_batch_lock:
             texts = await asyncio.to_thread(self.engine.run_batch, batch)
         self._record_step(len(batch), 0)
-        return [Chunk(text, seq.finish_reason, seq.generated) for text, seq in zip(texts, batch, strict=True)]
+        logprobs = [[lp for chunk in seq.chunks for lp in chunk.logprobs] for seq in batch]
+        return [
+            Chunk(text, seq.finish_reason, seq.generated, lps)
+            for text, seq, lps in zip(texts, batch, logprobs, strict=True)
+        ]
 
-    async def _complete(self, reply: dict, chunks: AsyncIterator[Chunk], prompt_tokens: int) -> Response:
-        texts, finish, completion_tokens = [], None, 0
-        async for chunk in chunks:
-            texts.append(chunk.text)
-            finish = chunk.finish_reason
-            completion_tokens += chunk.tokens
-        if finish == "error":
-            return error_response(500, texts[-1])
-        text = "".join(texts)
-        choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
-        usage = {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
+    async def _sse(self, reply: dict, sequences: list[Sequence], choice, prompt_tokens: int, usage: bool):
+        """Server-sent events: the choices' chunks as they come, errors as error events, usage last if asked."""
+        merged: asyncio.Queue[tuple[int, Chunk | None]] = asyncio.Queue()
+
+        async def pump(index: int, seq: Sequence) -> None:
+            try:
+                async for chunk in self._chunks(seq):
+                    await merged.put((index, chunk))
+            finally:
+                await merged.put((index, None))
+
+        tasks = [asyncio.create_task(pump(i, seq)) for i, seq in enumerate(sequences)]
+        head = {
+            **reply,
+            "object": "text_completion" if reply["object"] == "text_completion" else "chat.completion.chunk",
         }
-        return JSONResponse({**reply, "created": int(time.time()), "choices": [choice], "usage": usage})
-
-    async def _sse(self, reply: dict, chunks: AsyncIterator[Chunk]) -> AsyncIterator[str]:
-        async for chunk in chunks:
-            choice = {"text": chunk.text, "index": 0, "logprobs": None, "finish_reason": chunk.finish_reason}
-            yield f"data: {json.dumps({**reply, 'created': int(time.time()), 'choices': [choice]})}\n\n"
-        yield "data: [DONE]\n\n"
+        start, open_streams, generated, started = time.perf_counter(), len(sequences), 0, set()
+        try:
+            while open_streams:
+                index, chunk = await merged.get()
+                if chunk is None:
+                    open_streams -= 1
+                elif chunk.finish_reason in ("error", "timeout"):
+                    error = ErrorBody(error=ErrorDetail(message=chunk.text, type="server_error"))
+                    yield f"data: {error.model_dump_json()}\n\n"
+                else:
+                    generated += chunk.tokens
+                    first = index not in started
+                    started.add(index)
+                    body = choice(index, sequences[index], chunk.text, chunk.finish_reason, chunk.logprobs, first)
+                    yield f"data: {json.dumps({**head, 'created': int(time.time()), 'choices': [body]})}\n\n"
+            if usage:
+                last = {
+                    **head,
+                    "created": int(time.time()),
+                    "choices": [],
+                    "usage": self._usage(prompt_tokens, generated),
+                }
+                yield f"data: {json.dumps(last)}\n\n"
+            yield "data: [DONE]\n\n"
+            self.latency.observe(time.perf_counter() - start)
+        finally:
+            for task in tasks:  # a client that went away: its generations stop and free their slots
+                task.cancel()
 
 
 def build_app(args: dict[str, Any]):

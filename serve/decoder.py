@@ -1,5 +1,8 @@
 """Token-by-token inference of a trained GPT for many sequences at once, with a KV cache.
 
+The GPT runs its own incremental forward (``GPT.hidden_states`` with positions and a cache);
+this module owns the cache and the untied, quantizable output projection.
+
 The cache has one slot per sequence in flight. A new sequence's prompt is run alone into a free
 slot (``prefill``); then all live sequences advance one token per ``decode`` call, whatever their
 lengths: each attends over its own slot, masked to its own length. Live sequences occupy slots
@@ -13,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from serve.precision import apply_precision
-from train.model import GPT
+from train.model import GPT, KVCache
 
 
 class Decoder:
@@ -37,33 +40,12 @@ class Decoder:
         self.keys = torch.zeros(shape, dtype=self.dtype, device=device)
         self.values = torch.zeros(shape, dtype=self.dtype, device=device)
 
-    def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        """(batch, seq, d_model) -> (batch, head, seq, head_dim)"""
-        batch, seq, dim = x.shape
-        return x.view(batch, seq, self.cfg.n_head, dim // self.cfg.n_head).transpose(1, 2)
-
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
-        """Shared body of prefill and decode; ``attend(layer, q, k, v)`` stores k/v and attends."""
-        x = self.model.tok_emb(tokens) + self.model.pos_emb(positions)
-        for layer, block in enumerate(self.model.blocks):
-            q, k, v = block.attn.qkv(block.ln_attn(x)).split(self.cfg.d_model, dim=2)
-            y = attend(layer, self._heads(q), self._heads(k), self._heads(v))
-            x = x + block.attn.proj(y.transpose(1, 2).reshape(x.shape))
-            x = x + block.mlp(block.ln_mlp(x))
-        return self.head(self.model.ln_out(x)).float()
-
     @torch.inference_mode()
     def prefill(self, slot: int, prompt: list[int]) -> torch.Tensor:
         """Run ``prompt`` into cache ``slot``; the logits (len(prompt), vocab) of the token after each position."""
-        length = len(prompt)
         tokens = torch.tensor([prompt], device=self.device)
-
-        def attend(layer, q, k, v):
-            self.keys[layer, slot, :, :length] = k[0]
-            self.values[layer, slot, :, :length] = v[0]
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-        return self._forward(tokens, torch.arange(length, device=self.device), attend)[0]
+        cache = _PrefillCache(self, slot, len(prompt))
+        return self._logits(tokens, torch.arange(len(prompt), device=self.device), cache)[0]
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
@@ -71,22 +53,43 @@ class Decoder:
 
         Returns the logits (B, vocab) for each sequence's next token.
         """
-        batch = len(tokens)
-        slots = torch.arange(batch, device=self.device)
         where = torch.tensor(positions, device=self.device)
-        visible = torch.arange(self.cfg.seq_len, device=self.device)[None, :] <= where[:, None]
-        mask = visible[:, None, None, :]  # (batch, 1 head, 1 query, seq_len)
-
-        def attend(layer, q, k, v):
-            self.keys[layer, slots, :, where] = k[:, :, 0]
-            self.values[layer, slots, :, where] = v[:, :, 0]
-            keys, values = self.keys[layer, :batch], self.values[layer, :batch]
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-
         tokens_t = torch.tensor(tokens, device=self.device)[:, None]
-        return self._forward(tokens_t, where[:, None], attend)[:, 0]
+        return self._logits(tokens_t, where[:, None], _DecodeCache(self, where))[:, 0]
+
+    def _logits(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        return self.head(self.model.hidden_states(tokens, positions, cache)).float()
 
     def move(self, source: int, target: int) -> None:
         """Copy the cache of slot ``source`` to slot ``target`` (to keep live slots contiguous)."""
         self.keys[:, target] = self.keys[:, source]
         self.values[:, target] = self.values[:, source]
+
+
+class _PrefillCache:
+    """A prompt's keys and values go into one slot; the prompt attends causally to itself."""
+
+    def __init__(self, decoder: Decoder, slot: int, length: int):
+        self.decoder, self.slot, self.length = decoder, slot, length
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.decoder.keys[layer, self.slot, :, : self.length] = k[0]
+        self.decoder.values[layer, self.slot, :, : self.length] = v[0]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class _DecodeCache:
+    """One new token per slot 0..B-1, stored at its position; each attends over its own slot up to there."""
+
+    def __init__(self, decoder: Decoder, where: torch.Tensor):
+        self.decoder, self.where = decoder, where
+        self.slots = torch.arange(len(where), device=where.device)
+        visible = torch.arange(decoder.cfg.seq_len, device=where.device)[None, :] <= where[:, None]
+        self.mask = visible[:, None, None, :]  # (batch, 1 head, 1 query, seq_len)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys, values = self.decoder.keys[layer], self.decoder.values[layer]
+        keys[self.slots, :, self.where] = k[:, :, 0]
+        values[self.slots, :, self.where] = v[:, :, 0]
+        batch = len(self.slots)
+        return F.scaled_dot_product_attention(q, keys[:batch], values[:batch], attn_mask=self.mask)

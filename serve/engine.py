@@ -6,19 +6,28 @@ token together. A sequence that finishes leaves at once and its slot goes to the
 request, so the batch stays full under load. The next batch is formed only when the current
 step is done — the property that Serve's ``@serve.batch`` lacks (see ../shared/stack-notes.md).
 
+No request can hurt another: a sequence whose sampling fails finishes alone with ``error``, a
+caller that goes away frees its slot at the next step, and nothing the loop meets stops it.
+
 ``run_batch`` runs a fixed list of requests to completion, for callers that batch elsewhere.
 """
 
 import asyncio
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from serve.decoder import Decoder
-from serve.sampling import make_generator, next_token
+from serve.sampling import TokenLogprob, apply_penalties, make_generator, next_token, token_logprob
 from serve.textstream import TextStream
 from train.tokenizer import BPETokenizer
+
+logger = logging.getLogger(__name__)
+
+# What a client is told when its generation fails; the cause goes to the replica's log only.
+GENERATION_FAILED = "generation failed on the server"
 
 
 @dataclass
@@ -28,13 +37,18 @@ class GenerationParams:
     top_p: float = 1.0
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # None: none; k: each token's logprob and the k most likely alternatives
+    prompt_logprobs: bool = False  # also the logprob of every prompt token after the first (echo)
 
 
 @dataclass
 class Chunk:
     text: str
-    finish_reason: str | None = None  # "stop", "length" (or "error") on the last chunk of a sequence
+    finish_reason: str | None = None  # "stop", "length" (or "error", "timeout") on the last chunk of a sequence
     tokens: int = 1  # tokens generated for this chunk
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of those tokens, when asked for
 
 
 class Sequence:
@@ -43,12 +57,14 @@ class Sequence:
     def __init__(self, prompt: list[int], params: GenerationParams):
         self.prompt = prompt
         self.params = params
-        self.generator = make_generator(params.seed)
+        self.generator: torch.Generator | None = None  # made on the decoder's device at admission
+        self.counts: torch.Tensor | None = None  # of each generated token, for the penalties
         self.text = TextStream(params.stop)
         self.last_token = prompt[-1]
         self.position = len(prompt) - 1  # where last_token sits
         self.generated = 0
         self.finish_reason: str | None = None
+        self.prompt_logprobs: list[TokenLogprob] = []  # for prompt[1:], with params.prompt_logprobs
         self.chunks: list[Chunk] = []  # produced by the last step, not yet handed out
         self.queue: asyncio.Queue[Chunk] | None = None
         self.cancelled = False
@@ -67,17 +83,40 @@ class Engine:
 
     def _accept(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Sample the next token of ``seq`` from ``logits`` and record its text and finish."""
-        token = next_token(logits, seq.params.temperature, seq.params.top_p, seq.generator)
+        params = seq.params
+        if seq.generator is None:
+            seq.generator = make_generator(params.seed, logits.device)
+            seq.counts = torch.zeros_like(logits)
+        penalized = apply_penalties(logits, seq.counts, params.presence_penalty, params.frequency_penalty)
+        token = next_token(penalized, params.temperature, params.top_p, seq.generator)
+        seq.counts[token] += 1
+        logprobs = [token_logprob(logits, token, params.logprobs)] if params.logprobs is not None else []
         seq.generated += 1
         seq.last_token, seq.position = token, seq.position + 1
         text = "" if token == self.tokenizer.eot_id else seq.text.push(self.tokenizer.decode([token]))
         if seq.text.stopped or token == self.tokenizer.eot_id:
             seq.finish_reason = "stop"
-        elif seq.generated >= seq.params.max_tokens or seq.position >= self.context:
+        elif seq.generated >= params.max_tokens or seq.position >= self.context:
             seq.finish_reason = "length"
         if seq.finish_reason:
             text += seq.text.finish()
-        seq.chunks.append(Chunk(text, seq.finish_reason))
+        seq.chunks.append(Chunk(text, seq.finish_reason, 1, logprobs))
+
+    def _guarded(self, seq: Sequence, work: Callable[[], None]) -> None:
+        """Run ``work`` for ``seq``; if it fails, ``seq`` alone finishes with an error."""
+        try:
+            work()
+        except Exception:
+            logger.exception("sequence failed; the rest of the batch goes on")
+            seq.finish_reason = "error"
+            seq.chunks = [Chunk(GENERATION_FAILED, "error", 0)]
+
+    def _admit(self, seq: Sequence, slot: int) -> None:
+        logits = self.decoder.prefill(slot, seq.prompt)
+        if seq.params.prompt_logprobs:
+            top = seq.params.logprobs or 0
+            seq.prompt_logprobs = [token_logprob(row, t, top) for row, t in zip(logits, seq.prompt[1:], strict=False)]
+        self._accept(seq, logits[-1])
 
     def step(self, admitted: list[Sequence]) -> list[Sequence]:
         """Admit ``admitted`` (at most ``free_slots``), advance every live sequence one token.
@@ -90,11 +129,11 @@ class Engine:
         if stepping:
             logits = self.decoder.decode([s.last_token for s in stepping], [s.position for s in stepping])
             for seq, row in zip(stepping, logits, strict=True):
-                self._accept(seq, row)
+                self._guarded(seq, lambda seq=seq, row=row: self._accept(seq, row))
         for seq in admitted:
             slot = len(self.live)
             self.live.append(seq)
-            self._accept(seq, self.decoder.prefill(slot, seq.prompt)[-1])
+            self._guarded(seq, lambda seq=seq, slot=slot: self._admit(seq, slot))
         self._compact([seq for seq in self.live if seq.finish_reason is None])
         return stepping + admitted
 
@@ -118,7 +157,7 @@ class Engine:
 class ContinuousBatcher:
     """The asyncio face of an Engine: ``generate`` streams chunks; one loop task drives all requests."""
 
-    def __init__(self, engine: Engine, on_step=None):
+    def __init__(self, engine: Engine, on_step: Callable[[int, int], None] | None = None):
         self.engine = engine
         self.waiting: list[Sequence] = []
         self._wakeup = asyncio.Event()
@@ -130,21 +169,30 @@ class ContinuousBatcher:
     def queue_depth(self) -> int:
         return len(self.waiting)
 
-    async def generate(self, prompt: list[int], params: GenerationParams) -> AsyncIterator[Chunk]:
-        seq = Sequence(prompt, params)
+    @property
+    def loop_failed(self) -> BaseException | None:
+        """Why the decode loop stopped, if it did (it is built not to: this is for health checks)."""
+        task = self._loop_task
+        return task.exception() if task is not None and task.done() and not task.cancelled() else None
+
+    async def generate(self, seq: Sequence, timeout_s: float | None = None) -> AsyncIterator[Chunk]:
+        """The chunks of one request; after ``timeout_s`` a last chunk with finish_reason ``timeout``."""
         seq.queue = asyncio.Queue()
         self.waiting.append(seq)
         self._wakeup.set()
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._loop())
         try:
-            while True:
-                chunk = await seq.queue.get()
-                yield chunk
-                if chunk.finish_reason:
-                    return
+            async with asyncio.timeout(timeout_s):
+                while True:
+                    chunk = await seq.queue.get()
+                    yield chunk
+                    if chunk.finish_reason:
+                        return
+        except TimeoutError:
+            yield Chunk(f"the request took longer than {timeout_s:g} s", "timeout", 0)
         finally:
-            # A caller that went away (client disconnect) frees its slot at the next step.
+            # A caller that went away (client disconnect) or timed out frees its slot at the next step.
             seq.cancelled = True
             if seq in self.waiting:
                 self.waiting.remove(seq)
@@ -159,14 +207,18 @@ class ContinuousBatcher:
             # The step runs in a thread (torch releases the GIL) so HTTP keeps flowing meanwhile.
             try:
                 stepped = await asyncio.to_thread(self.engine.step, admitted)
-            except Exception as exc:  # fail the requests in flight, keep serving the next ones
+            except Exception:  # the batch's forward failed: fail the requests in flight, keep serving
+                logger.exception("decode step failed; failing the requests in flight")
                 stepped = self.engine.live + [seq for seq in admitted if seq not in self.engine.live]
                 self.engine.live = []
                 for seq in stepped:
-                    seq.chunks = [Chunk(f"generation failed: {exc!r}", "error", 0)]
-            if self._on_step:
-                self._on_step(len(stepped), len(self.waiting))
+                    seq.chunks = [Chunk(GENERATION_FAILED, "error", 0)]
             for seq in stepped:
                 for chunk in seq.chunks:
                     seq.queue.put_nowait(chunk)
                 seq.chunks.clear()
+            if self._on_step:
+                try:
+                    self._on_step(len(stepped), len(self.waiting))
+                except Exception:  # metrics must never stop the loop
+                    logger.exception("step metrics failed")

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -14,14 +15,20 @@ import openai
 import pytest
 import requests
 import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis_jsonschema import from_schema
 from ray import serve
+from ray._common.test_utils import wait_for_condition
 
 from serve.__main__ import main as serve_main
-from serve.app import build_app
+from serve.app import build_app, deployment_for
 from serve.config import serve_config_from_dict
 from tests.conftest import MEMORIZED_TEXT
+from train.config import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
 
 def free_port() -> int:
@@ -31,15 +38,27 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(ray_session, memorized_export):
-    """Three apps on one Serve: the default one at /, one with an API key, one with room for one request."""
+def server(ray_session, memorized_export, tmp_path_factory):
+    """Four apps on one Serve: the default one at /, one with an API key, one with room for one request,
+    and one whose model declares a chat template."""
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     common = {"checkpoint": memorized_export, "cpus_per_replica": 0.25}
     serve.run(build_app({**common, "max_batch_size": 8, "max_ongoing_requests": 16}), name="main", route_prefix="/")
-    serve.run(build_app({**common, "api_key": "s3cret"}), name="keyed", route_prefix="/keyed")
+    # The key as an operator sets it: in the replica's environment, never in the (stored) config.
+    keyed = deployment_for(serve_config_from_dict(common)).options(
+        ray_actor_options={"num_cpus": 0.25, "runtime_env": {"env_vars": {"RAYWRIGHT_API_KEY": "s3cret"}}}
+    )
+    serve.run(keyed.bind(common), name="keyed", route_prefix="/keyed")
     tight = {"max_batch_size": 1, "max_ongoing_requests": 1, "max_queued_requests": 1, "retry_after_s": 2}
     serve.run(build_app({**common, **tight}), name="tight", route_prefix="/tight")
+    # The same model with a chat template in its tokenizer config: the messages' contents, concatenated.
+    chat_export = tmp_path_factory.mktemp("chat") / "export"
+    shutil.copytree(memorized_export, chat_export)
+    tokenizer_config = json.loads((chat_export / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = CHAT_TEMPLATE
+    (chat_export / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    serve.run(build_app({**common, "checkpoint": str(chat_export)}), name="chat", route_prefix="/chat")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
 
@@ -108,6 +127,12 @@ BAD_REQUESTS = [
     ({"prompt": "hi", "stop": [1]}, "stop"),
     ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"prompt": "hi", "seed": 1.5}, "seed"),
+    ({"prompt": "hi", "seed": 2**64}, "seed"),
+    ({"prompt": "hi", "seed": -1}, "seed"),
+    ({"prompt": "hi", "n": 0}, "n"),
+    ({"prompt": "hi", "logprobs": 6}, "logprobs"),
+    ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "hi", "stream_options": {"include_usage": 1}}, "stream_options"),
     ({"prompt": "hi", "stream": "yes"}, "stream"),
     ({"prompt": "hi", "frobnicate": 1}, "frobnicate"),
     ({"prompt": "hi", "model": "gpt-4"}, "model"),
@@ -221,3 +246,170 @@ def test_cluster_deploy_config_is_a_valid_serve_config():
     (app,) = deploy["applications"]
     assert app["import_path"] == "serve.app:build_app"
     serve_config_from_dict(app["args"])
+    # Nothing in the stored config can set, or blank out, the API key.
+    assert "RAYWRIGHT_API_KEY" not in json.dumps(app.get("runtime_env", {}))
+    assert "api_key" not in app["args"]
+
+
+def test_sampling_values_that_once_failed_the_batch_are_safe(server):
+    """Each odd request runs beside a greedy one, whose text must not change."""
+    for odd in ({"top_p": 5e-324}, {"temperature": 1e-39}, {"temperature": 2.0, "top_p": 5e-324, "seed": 2**63 - 1}):
+        with ThreadPoolExecutor(2) as pool:
+            odd_reply = pool.submit(complete, server, prompt="Köln", max_tokens=30, **odd)
+            greedy = pool.submit(complete, server, prompt="Grüße", max_tokens=5, temperature=0)
+        assert odd_reply.result().status_code == 200, (odd, odd_reply.result().text)
+        assert greedy.result().json()["choices"][0]["text"] == " aus "
+    # A plain-string stop of any length (OpenAI's limit of 4 is on the list).
+    reply = complete(server, prompt="Grüße", max_tokens=40, temperature=0, stop=" 3 € für")
+    assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == " aus Köln:"
+
+
+def test_openapi_documents_the_request_bodies(server):
+    spec = requests.get(f"{server}/openapi.json", timeout=10).json()
+    for path, model in (("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatCompletionRequest")):
+        body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body["$ref"] == f"#/components/schemas/{model}"
+    fields = spec["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert {"prompt", "n", "logprobs", "echo", "seed", "stream_options", "presence_penalty", "user"} <= set(fields)
+    assert all(field.get("description") for name, field in fields.items() if name != "stream_options")
+    assert requests.get(f"{server}/docs", timeout=10).status_code == 200
+
+
+def test_schema_fuzz_finds_no_5xx_and_leaves_the_replica_serving(server):
+    """Bodies drawn from the app's own /openapi.json, and mangled ones, against the live app."""
+    spec = requests.get(f"{server}/openapi.json", timeout=10).json()
+    schema = {**spec["components"]["schemas"]["CompletionRequest"], "components": spec["components"]}
+    anything = st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+        max_leaves=5,
+    )
+    fields = sorted(schema["properties"])
+    mangled = st.dictionaries(st.sampled_from(fields), anything, max_size=6)
+    session = requests.Session()
+    deadline = time.monotonic() + 120
+
+    @settings(max_examples=150, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(body=from_schema(schema) | mangled)
+    def no_server_error(body: dict) -> None:
+        if time.monotonic() > deadline:
+            return
+        body = {**body, "max_tokens": min(body["max_tokens"], 24)} if isinstance(body.get("max_tokens"), int) else body
+        reply = session.post(
+            f"{server}/v1/completions", data=json.dumps(body), timeout=60, headers={"content-type": "application/json"}
+        )
+        assert reply.status_code < 500, (body, reply.text)
+        if reply.status_code == 200 and body.get("stream") is True:
+            assert '"error"' not in reply.text, (body, reply.text)
+
+    no_server_error()
+    assert complete(server, prompt="Grüße", max_tokens=5, temperature=0).json()["choices"][0]["text"] == " aus "
+
+
+def test_openai_client_uses_n_logprobs_echo_usage_penalties_and_user(server):
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    many = client.completions.create(
+        model="memorized", prompt="Grüße", max_tokens=8, temperature=1.0, seed=5, n=3, user="tester"
+    )
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    # Choice i is seeded seed + i: the same text as a request of its own with that seed.
+    second = client.completions.create(model="memorized", prompt="Grüße", max_tokens=8, temperature=1.0, seed=6)
+    assert second.choices[0].text == many.choices[1].text
+    assert 3 <= many.usage.completion_tokens <= 24
+
+    scored = client.completions.create(
+        model="memorized", prompt="Grüße", max_tokens=8, temperature=0, logprobs=2, echo=True
+    ).choices[0]
+    assert scored.text == "Grüße aus Kö"
+    logprobs = scored.logprobs
+    prompt_tokens = len("Grüße".encode())
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == prompt_tokens + 8
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    generated = list(zip(logprobs.token_logprobs, logprobs.top_logprobs, strict=True))[prompt_tokens:]
+    # Greedy: every generated token is the most likely one, and each position lists two alternatives.
+    assert all(len(top) == 2 and lp == pytest.approx(max(top.values())) for lp, top in generated)
+    assert logprobs.text_offset[:3] == [0, 1, 2]
+
+    events = list(
+        client.completions.create(
+            model="memorized",
+            prompt="Grüße",
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert events[-1].choices == [] and events[-1].usage.completion_tokens == 8
+    assert "".join(e.choices[0].text for e in events[:-1]) == " aus Kö"
+
+    plain = client.completions.create(model="memorized", prompt="3 € für", max_tokens=40, temperature=0)
+    penalized = client.completions.create(
+        model="memorized", prompt="3 € für", max_tokens=40, temperature=0, frequency_penalty=2.0, presence_penalty=2.0
+    )
+    assert penalized.choices[0].text != plain.choices[0].text
+
+
+def test_chat_completions_for_models_with_a_chat_template_only(server):
+    reply = requests.post(
+        f"{server}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=10
+    )
+    assert reply.status_code == 400 and "declares no chat template" in reply.json()["error"]["message"]
+    client = openai.OpenAI(base_url=f"{server}/chat/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "system", "content": "Grüße"}, {"role": "user", "content": " aus"}]
+    answer = client.chat.completions.create(
+        model="memorized", messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2
+    )
+    expected = complete(server, prompt="Grüße aus", max_tokens=8, temperature=0).json()["choices"][0]["text"]
+    assert answer.choices[0].message.content == expected and answer.choices[0].message.role == "assistant"
+    assert len(answer.choices[0].logprobs.content) == 8
+    assert all(len(entry.top_logprobs) == 2 for entry in answer.choices[0].logprobs.content)
+    streamed = client.chat.completions.create(
+        model="memorized", messages=messages, max_tokens=8, temperature=0, stream=True
+    )
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed) == expected
+
+
+def test_dropped_streams_free_their_slots_and_a_new_request_completes(server):
+    before = requests.get(f"{server}/ready", timeout=10).json()["generated_tokens"]
+
+    def open_then_drop(_) -> None:
+        with requests.post(
+            f"{server}/v1/completions",
+            json={"prompt": "K", "max_tokens": 94, "temperature": 0, "stream": True},
+            stream=True,
+            timeout=60,
+        ) as reply:
+            next(reply.iter_lines())  # the first token arrived: the sequence holds a slot; then the client goes
+
+    with ThreadPoolExecutor(64) as pool:
+        list(pool.map(open_then_drop, range(64)))
+    started = time.monotonic()
+    assert complete(server, prompt="Grüße", max_tokens=5, temperature=0).json()["choices"][0]["text"] == " aus "
+    assert time.monotonic() - started < 10
+    wait_for_condition(lambda: requests.get(f"{server}/ready", timeout=10).json()["in_flight"] == 0, timeout=10)
+    ready = requests.get(f"{server}/ready", timeout=10).json()
+    # Had the dropped streams run to the end, they would have generated 64 x 94 tokens.
+    assert ready["generated_tokens"] - before < 64 * 94 / 3 and ready["waiting"] == 0
+
+
+def test_body_size_is_limited_before_the_key_is_checked(server):
+    keyed = f"{server}/keyed/v1/completions"
+    big = requests.post(keyed, data=b"x" * 1_000_001, headers={"content-type": "application/json"}, timeout=10)
+    assert big.status_code == 413 and "limit" in big.json()["error"]["message"]
+    chunked = requests.post(keyed, data=iter([b'{"prompt": "hi"}']), timeout=10)
+    assert chunked.status_code == 411
+
+
+def test_the_api_key_comes_from_a_file_or_the_environment_never_the_config(tmp_path, monkeypatch, memorized_export):
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    monkeypatch.setenv("RAYWRIGHT_API_KEY", "from-env")
+    base = {"checkpoint": memorized_export}
+    assert serve_config_from_dict({**base, "api_key_file": str(key_file)}).resolved_api_key() == "from-file"
+    assert serve_config_from_dict(base).resolved_api_key() == "from-env"
+    key_file.write_text("\n")
+    with pytest.raises(ValueError, match="api_key_file: .* is empty"):
+        serve_config_from_dict({**base, "api_key_file": str(key_file)}).resolved_api_key()
+    with pytest.raises(ConfigError, match="unknown key api_key"):
+        serve_config_from_dict({**base, "api_key": "s3cret"})

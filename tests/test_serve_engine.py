@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from serve.decoder import Decoder
-from serve.engine import ContinuousBatcher, Engine, GenerationParams, Sequence
+from serve.engine import GENERATION_FAILED, ContinuousBatcher, Engine, GenerationParams, Sequence
 from serve.precision import Int8Linear, apply_precision
-from serve.sampling import make_generator, next_token
+from serve.sampling import apply_penalties, make_generator, next_token, token_logprob
 from serve.textstream import TextStream
 from tests.conftest import MEMORIZED_TEXT
 from train.export import load_exported
@@ -17,6 +17,7 @@ from train.model import GPT, ModelConfig
 from train.tokenizer import ByteTokenizer
 
 TOKENIZER = ByteTokenizer()
+CPU = torch.device("cpu")
 PROMPTS = ["Grüße", "3 € für", "und 🚀. Grüße aus Köln", "K", "für ☕", "aus Köln: 3", "Gr", "🚀"]
 
 
@@ -68,10 +69,38 @@ def test_sampling_greedy_top_p_and_seed():
     logits = torch.tensor([0.0, 3.0, 1.0, 2.9])
     assert next_token(logits, 0.0, 1.0, None) == 1
     # A tiny nucleus holds only the most likely token.
-    assert {next_token(logits, 1.0, 0.01, make_generator(s)) for s in range(20)} == {1}
-    draws = [[next_token(logits, 1.0, 1.0, make_generator(7)) for _ in range(5)] for _ in range(2)]
+    assert {next_token(logits, 1.0, 0.01, make_generator(s, CPU)) for s in range(20)} == {1}
+    draws = [[next_token(logits, 1.0, 1.0, make_generator(7, CPU)) for _ in range(5)] for _ in range(2)]
     assert draws[0] == draws[1]
-    assert len({next_token(logits, 1.0, 1.0, make_generator(s)) for s in range(50)}) > 1
+    assert len({next_token(logits, 1.0, 1.0, make_generator(s, CPU)) for s in range(50)}) > 1
+
+
+def test_extreme_sampling_values_are_safe_and_penalties_follow_openai():
+    logits = torch.tensor([0.0, 3.0, 1.0, 2.9])
+    # Values that once made an invalid distribution (inf/NaN, or an empty nucleus) for the whole batch.
+    assert next_token(logits, 1e-39, 1.0, make_generator(0, CPU)) == 1
+    assert next_token(logits, 1.0, 5e-324, make_generator(0, CPU)) == 1
+    assert next_token(logits, 2.0, 5e-324, make_generator(0, CPU)) == 1
+    counts = torch.tensor([0.0, 2.0, 0.0, 0.0])
+    assert torch.equal(apply_penalties(logits, counts, 0.5, 0.25), torch.tensor([0.0, 2.0, 1.0, 2.9]))
+    assert next_token(apply_penalties(logits, counts, 0.5, 0.25), 0.0, 1.0, None) == 3
+    top = token_logprob(logits, 2, top=2)
+    assert top.logprob == pytest.approx(float(torch.log_softmax(logits, 0)[2]))
+    assert [token for token, _ in top.top] == [1, 3]
+
+
+def test_a_sequence_whose_sampling_fails_fails_alone(memorized_export):
+    engine = make_engine(memorized_export, "fp32")
+    greedy = GenerationParams(max_tokens=12, temperature=0.0)
+    broken = Sequence(encode("Köln"), GenerationParams(max_tokens=12, temperature=1.0, top_p=float("nan")))
+    broken.generator = "not a generator"  # sampling with it raises inside the step
+    good = [Sequence(encode(p), greedy) for p in ("Grüße", "3 € für")]
+    texts = engine.run_batch([good[0], broken, good[1]])
+    assert broken.finish_reason == "error" and texts[1] == GENERATION_FAILED
+    alone = [
+        make_engine(memorized_export, "fp32").run_batch([Sequence(encode(p), greedy)])[0] for p in ("Grüße", "3 € für")
+    ]
+    assert [texts[0], texts[2]] == alone
 
 
 def test_text_stream_joins_to_the_full_text_and_stops_across_chunks():
@@ -120,7 +149,7 @@ def test_continuous_batching_gives_each_request_its_text_alone(memorized_export,
 
     async def one(prompt: str, p: GenerationParams, delay: float) -> str:
         await asyncio.sleep(delay)
-        return "".join([chunk.text async for chunk in batcher.generate(encode(prompt), p)])
+        return "".join([chunk.text async for chunk in batcher.generate(Sequence(encode(prompt), p))])
 
     async def all_at_once() -> list[str]:
         rng = random.Random(0)

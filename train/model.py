@@ -7,7 +7,7 @@ embedding. The same class is trained by ``train/`` and served by ``serve/``.
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -37,20 +37,33 @@ class ModelConfig:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
 
 
+class KVCache(Protocol):
+    """Where incremental decoding keeps keys and values (serve/decoder.py holds the implementations)."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store ``k``/``v`` (batch, head, seq, head_dim) of ``layer``; the attention of ``q`` over the cache."""
+        ...
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.n_head = cfg.n_head
+        self.layer = layer  # this block's index in a KV cache
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         batch, seq, dim = x.shape
         q, k, v = self.qkv(x).split(dim, dim=2)
         # (batch, seq, dim) -> (batch, head, seq, head_dim)
         q, k, v = (t.view(batch, seq, self.n_head, dim // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        if cache is None:
+            dropout = self.dropout if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        else:
+            y = cache.attend(self.layer, q, k, v)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, dim))
 
 
@@ -66,16 +79,16 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.ln_attn = nn.LayerNorm(cfg.d_model)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = CausalSelfAttention(cfg, layer)
         self.ln_mlp = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln_attn(x)))
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln_attn(x), cache))
         return x + self.drop(self.mlp(self.ln_mlp(x)))
 
 
@@ -87,7 +100,7 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, layer) for layer in range(cfg.n_layer))
         self.ln_out = nn.LayerNorm(cfg.d_model)
         self.apply(self._init_weights)
         # GPT-2's scaled init of the projections that write into the residual stream.
@@ -103,17 +116,28 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
-        """Logits for ``tokens`` (batch, seq); with ``targets``, also the mean cross-entropy."""
-        seq = tokens.shape[1]
-        if seq > self.cfg.seq_len:
-            raise ValueError(f"sequence of {seq} tokens exceeds the context length {self.cfg.seq_len}")
-        positions = torch.arange(seq, device=tokens.device)
+    def hidden_states(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        """The final normalized hidden states (batch, seq, d_model) of ``tokens``.
+
+        ``positions`` (broadcastable to ``tokens``) default to 0..seq-1; incremental decoding passes
+        where each token sits and a ``cache`` that holds the keys and values of earlier tokens.
+        """
+        if positions is None:
+            seq = tokens.shape[1]
+            if seq > self.cfg.seq_len:
+                raise ValueError(f"sequence of {seq} tokens exceeds the context length {self.cfg.seq_len}")
+            positions = torch.arange(seq, device=tokens.device)
         x = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
         for block in self.blocks:
-            x = block(x)
+            x = block(x, cache)
+        return self.ln_out(x)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
+        """Logits for ``tokens`` (batch, seq); with ``targets``, also the mean cross-entropy."""
         # The output projection reuses the embedding matrix (tied weights).
-        logits = F.linear(self.ln_out(x), self.tok_emb.weight)
+        logits = F.linear(self.hidden_states(tokens), self.tok_emb.weight)
         if targets is None:
             return logits
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
