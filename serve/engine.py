@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from serve.decoder import Decoder
-from serve.sampling import TokenLogprob, apply_penalties, make_generator, next_token, token_logprob
+from serve.sampling import GREEDY_BELOW, TokenLogprob, apply_penalties, make_generator, next_token, token_logprob
 from serve.textstream import TextStream
 from train.tokenizer import BPETokenizer
 
@@ -57,8 +57,8 @@ class Sequence:
     def __init__(self, prompt: list[int], params: GenerationParams):
         self.prompt = prompt
         self.params = params
-        self.generator: torch.Generator | None = None  # made on the decoder's device at admission
-        self.counts: torch.Tensor | None = None  # of each generated token, for the penalties
+        self.generator: torch.Generator | None = None  # made on the logits' device, when sampling
+        self.counts: torch.Tensor | None = None  # of each generated token, when penalties apply
         self.text = TextStream(params.stop)
         self.last_token = prompt[-1]
         self.position = len(prompt) - 1  # where last_token sits
@@ -84,12 +84,17 @@ class Engine:
     def _accept(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Sample the next token of ``seq`` from ``logits`` and record its text and finish."""
         params = seq.params
-        if seq.generator is None:
-            seq.generator = make_generator(params.seed, logits.device)
+        # Penalty counts and a generator only for the requests that use them: this runs per token.
+        if (params.presence_penalty or params.frequency_penalty) and seq.counts is None:
             seq.counts = torch.zeros_like(logits)
-        penalized = apply_penalties(logits, seq.counts, params.presence_penalty, params.frequency_penalty)
+        if params.temperature >= GREEDY_BELOW and seq.generator is None:
+            seq.generator = make_generator(params.seed, logits.device)
+        penalized = logits
+        if seq.counts is not None:
+            penalized = apply_penalties(logits, seq.counts, params.presence_penalty, params.frequency_penalty)
         token = next_token(penalized, params.temperature, params.top_p, seq.generator)
-        seq.counts[token] += 1
+        if seq.counts is not None:
+            seq.counts[token] += 1
         logprobs = [token_logprob(logits, token, params.logprobs)] if params.logprobs is not None else []
         seq.generated += 1
         seq.last_token, seq.position = token, seq.position + 1

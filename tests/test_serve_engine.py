@@ -2,6 +2,7 @@
 
 import asyncio
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -157,3 +158,19 @@ def test_continuous_batching_gives_each_request_its_text_alone(memorized_export,
 
     assert asyncio.run(all_at_once()) == alone
     assert max(batch_sizes) == 4
+
+
+def test_a_request_past_its_timeout_ends_and_frees_its_slot(memorized_export):
+    batcher = ContinuousBatcher(make_engine(memorized_export, "int8", max_batch=1))
+    greedy = GenerationParams(max_tokens=80, temperature=0.0)
+
+    async def run() -> tuple[list, str]:
+        late = [chunk async for chunk in batcher.generate(Sequence(encode("K"), greedy), timeout_s=0.001)]
+        after = "".join(
+            [c.text async for c in batcher.generate(Sequence(encode("Grüße"), replace(greedy, max_tokens=5)))]
+        )
+        return late, after
+
+    late, after = asyncio.run(run())
+    assert late[-1].finish_reason == "timeout" and "longer than 0.001 s" in late[-1].text
+    assert after == " aus " and batcher.loop_failed is None

@@ -85,11 +85,12 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg, layer)
         self.ln_mlp = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln_attn(x), cache))
-        return x + self.drop(self.mlp(self.ln_mlp(x)))
+        # Functional dropout: a module call per use costs more than the whole op in token-by-token decoding.
+        x = x + F.dropout(self.attn(self.ln_attn(x), cache), self.dropout, self.training)
+        return x + F.dropout(self.mlp(self.ln_mlp(x)), self.dropout, self.training)
 
 
 class GPT(nn.Module):
@@ -99,7 +100,6 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, layer) for layer in range(cfg.n_layer))
         self.ln_out = nn.LayerNorm(cfg.d_model)
         self.apply(self._init_weights)
@@ -129,7 +129,7 @@ class GPT(nn.Module):
             if seq > self.cfg.seq_len:
                 raise ValueError(f"sequence of {seq} tokens exceeds the context length {self.cfg.seq_len}")
             positions = torch.arange(seq, device=tokens.device)
-        x = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
+        x = F.dropout(self.tok_emb(tokens) + self.pos_emb(positions), self.cfg.dropout, self.training)
         for block in self.blocks:
             x = block(x, cache)
         return self.ln_out(x)
