@@ -5,6 +5,7 @@ text, saved locally): a checkpoint raywright did not write, with OpenAI's tanh G
 """
 
 import json
+import os
 import shutil
 
 import deepspeed
@@ -181,7 +182,10 @@ def test_a_run_from_a_gpt2_checkpoint_starts_at_its_loss_and_exports_it_back(
 
 
 @pytest.mark.unit
-def test_init_from_what_raywright_cannot_start_from_is_one_line(hf_gpt2, tmp_path):
+def test_init_from_what_raywright_cannot_start_from_is_one_line(hf_gpt2, tmp_path, monkeypatch):
+    # A relative path is made absolute on the driver: the workers read it from another directory.
+    monkeypatch.chdir(os.path.dirname(hf_gpt2))
+    assert load_config("tiny", ["model.init_from=gpt2-recite"]).model.init_from == hf_gpt2
     llama = tmp_path / "llama"
     llama.mkdir()
     (llama / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))

@@ -13,10 +13,11 @@ from typing import Any, Literal
 
 import yaml
 
+from train import storage
 from train.batching import check_batch_divides
 from train.hf_gpt2 import read_model_config, weight_files
 from train.model import ModelConfig
-from train.tokenizer import MAX_VOCAB, load_tokenizer
+from train.tokenizer import MAX_VOCAB, ByteTokenizer, load_tokenizer
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -335,7 +336,9 @@ def resolve_model(cfg: TrainConfig) -> TrainConfig:
     """
     model, data = cfg.model, cfg.data
     if model.init_from:
-        if data.tokenizer not in ("byte", model.init_from):
+        # Absolute: the workers read it too, from another working directory.
+        model = dataclasses.replace(model, init_from=storage.absolute(model.init_from))
+        if data.tokenizer not in ("byte", model.init_from, cfg.model.init_from):
             raise ConfigError(
                 f"data.tokenizer: a run from model.init_from uses that model's tokenizer; drop {data.tokenizer!r}"
             )
@@ -346,15 +349,16 @@ def resolve_model(cfg: TrainConfig) -> TrainConfig:
             raise ConfigError(f"model.init_from: {exc}") from None
         model = dataclasses.replace(shape, dropout=model.dropout, init_from=model.init_from)
         data = dataclasses.replace(data, tokenizer=model.init_from)
-    if data.tokenizer == "byte":
-        vocab = 257
-    elif data.tokenizer == "bpe":
+    if data.tokenizer == "bpe":
         vocab = data.vocab_size
     else:
         try:
-            vocab = load_tokenizer(data.tokenizer).vocab_size
+            tokenizer = ByteTokenizer() if data.tokenizer == "byte" else load_tokenizer(data.tokenizer)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"data.tokenizer: {exc}") from None
+        if isinstance(tokenizer, ByteTokenizer):  # also a byte-level export's: it reuses byte-level datasets
+            data = dataclasses.replace(data, tokenizer="byte")
+        vocab = tokenizer.vocab_size
     if model.vocab_size < vocab:
         model = dataclasses.replace(model, vocab_size=vocab)
     return dataclasses.replace(cfg, model=model, data=data)
