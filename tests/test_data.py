@@ -1,11 +1,14 @@
 import json
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from train.config import ConfigError
 from train.data import list_source, load_manifest, load_split, prepare
 from train.loader import SampleOrder, micro_batch_samples
 from train.tokenizer import ByteTokenizer, load_tokenizer
@@ -72,6 +75,27 @@ def test_same_documents_as_text_jsonl_and_parquet_give_the_same_source_hash(ray_
     prepare(str(text_dir), str(tmp_path / "out-text"), seq_len=32, val_fraction=0.2)
     for split, rows in first.items():
         assert np.array_equal(rows, load_split(str(tmp_path / "out-text"), split))
+
+
+def test_a_directory_raywright_did_not_write_is_never_overwritten(ray_session, corpus_dir, tmp_path):
+    mine = tmp_path / "mycorpus"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's own notes")
+    with pytest.raises(ConfigError, match=f"^data.path: {mine} holds files that are not a prepared dataset"):
+        prepare(f"{corpus_dir}/email/**/*.py", str(mine), seq_len=32, val_fraction=0.2)
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    # The same through the CLI a user would type: one line, exit 2, and the notes stay.
+    done = subprocess.run(
+        [sys.executable, "-m", "train", "--set", f"data.path={mine}"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith(f"config error: data.path: {mine}")
+    assert (mine / "notes.txt").read_text() == "the user's own notes"
+    # raywright's own dataset is replaced whole, and nothing is left beside it.
+    out = tmp_path / "prepared"
+    prepare(f"{corpus_dir}/email/**/*.py", str(out), seq_len=32, val_fraction=0.2)
+    prepare(f"{corpus_dir}/email/**/*.py", str(out), seq_len=16, val_fraction=0.2)
+    assert load_manifest(str(out))["seq_len"] == 16
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mycorpus", "prepared"]
 
 
 def test_bad_sources_name_the_problem(ray_session, tmp_path):

@@ -32,7 +32,11 @@ def main(argv: list[str] | None = None) -> int:
 
     init_ray(cfg)
     stop_gracefully_on_sigterm()  # after ray.init, which installs a SIGTERM handler of its own
-    summary = run_training(cfg)
+    try:
+        summary = run_training(cfg)
+    except ConfigError as exc:  # found on the driver once Ray is up (a data.path that is not a dataset)
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
     elastic = summary.elastic
     lines = {
         "run": summary.run_dir,

@@ -14,6 +14,7 @@ import fnmatch
 import hashlib
 import os
 import sysconfig
+import uuid
 
 import numpy as np
 import pyarrow as pa
@@ -21,9 +22,11 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from train import storage
+from train.config import ConfigError
 from train.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer, save_tokenizer, train_bpe
 
 MANIFEST = "manifest.json"
+PREPARING = ".raywright-dataset"  # written first: a directory holding it is raywright's to replace
 SPLITS = ("train", "val")
 
 
@@ -147,8 +150,8 @@ def prepare(
     is stored in ``out/tokenizer.json``.
     """
     import ray.data
-    from ray.data.expressions import col
 
+    _refuse_foreign(out)  # before any work: a user's directory is never touched
     ray.data.DataContext.get_current().execution_options.preserve_order = True  # reproducible shards
     source = source or default_source()
     fs, files, kind = list_source(source)
@@ -160,20 +163,58 @@ def prepare(
     digests = sorted(bytes(d) for d in docs.select_columns(["digest"]).to_pandas()["digest"])
     chosen = make_tokenizer(tokenizer, vocab_size, docs)
     tokens = docs.map_batches(_tokenize, fn_kwargs={"tokenizer": chosen}, batch_format="numpy").materialize()
-    if storage.exists(out):
-        storage.delete_dir(out)  # a rerun replaces an incomplete or stale preparation whole
+    # Locally the dataset is written to a sibling and renamed into place, so an interrupted or concurrent
+    # preparation never leaves a half-written one at ``out``; object storage has no rename: written in place.
+    staging = f"{out.rstrip('/')}.preparing-{uuid.uuid4().hex[:8]}" if storage.is_local(out) else out
+    if staging == out and storage.exists(out):
+        storage.delete_dir(out)  # raywright's own (checked above): a rerun replaces it whole
+    try:
+        manifest = _write_dataset(staging, tokens, chosen, seq_len, source)
+    except BaseException:
+        if staging != out and storage.exists(staging):
+            storage.delete_dir(staging)
+        raise
+    source_sha256 = hashlib.sha256(b"".join(digests)).hexdigest()
+    manifest.update(source_sha256=source_sha256, documents=len(digests), val_fraction=val_fraction)
+    storage.write_json(storage.join(staging, MANIFEST), manifest)  # last: it makes the dataset complete
+    if staging != out:
+        _refuse_foreign(out)  # again: something may have appeared there meanwhile
+        if storage.exists(out):
+            storage.delete_dir(out)
+        out_fs, out_path = storage.resolve(out)
+        out_fs.move(storage.resolve(staging)[1], out_path)
+    return manifest
+
+
+def _refuse_foreign(out: str) -> None:
+    """Refuse an ``out`` that holds files raywright did not write (no manifest, no preparation marker)."""
+    if not storage.exists(out) or not storage.list_dir(out):
+        return
+    manifest = storage.join(out, MANIFEST)
+    ours = storage.exists(storage.join(out, PREPARING)) or (
+        storage.exists(manifest) and {"seq_len", "tokenizer", "train"} <= set(storage.read_json(manifest))
+    )
+    if not ours:
+        raise ConfigError(
+            f"data.path: {out} holds files that are not a prepared dataset (no {MANIFEST}); "
+            "raywright never overwrites them: give a new or empty directory (data.source is the corpus)"
+        )
+
+
+def _write_dataset(out: str, tokens, tokenizer: BPETokenizer, seq_len: int, source: str) -> dict:
+    """Shards of both splits and the tokenizer under ``out``; the manifest's counts (it is written by the caller)."""
+    from ray.data.expressions import col
+
+    storage.write_bytes(storage.join(out, PREPARING), b"")  # marks the directory as raywright's from the start
     out_fs, out_path = storage.resolve(out)
-    save_tokenizer(chosen, out)
+    save_tokenizer(tokenizer, out)
     counts = tokens.select_columns(["num_tokens", "num_bytes"]).sum(["num_tokens", "num_bytes"])
     manifest = {
         "source": source,
-        "source_sha256": hashlib.sha256(b"".join(digests)).hexdigest(),
-        "documents": len(digests),
-        "tokenizer": chosen.spec(),
+        "tokenizer": tokenizer.spec(),
         # End-of-text tokens included: what a loss per token is multiplied by for bits per byte.
         "tokens_per_byte": counts["sum(num_tokens)"] / counts["sum(num_bytes)"],
         "seq_len": seq_len,
-        "val_fraction": val_fraction,
     }
     for split in SPLITS:
         packed = tokens.filter(expr=col("split") == split).map_batches(
@@ -185,7 +226,6 @@ def prepare(
         manifest[split] = {"shards": shards, "sequences": sequences}
         if manifest[split]["sequences"] == 0:
             raise ValueError(f"data.source: {source!r} gives no {split} sequence of {seq_len + 1} tokens")
-    storage.write_json(storage.join(out, MANIFEST), manifest)
     return manifest
 
 

@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import uuid
 from dataclasses import dataclass
 from importlib import metadata
@@ -67,10 +68,13 @@ def code_version() -> str:
             return "unknown"
 
 
-def init_ray(cfg: TrainConfig) -> None:
-    """Connect to ``run.ray_address``, or to the cluster of a Ray job (RAY_ADDRESS), else start a private Ray."""
+def init_ray(cfg: TrainConfig) -> bool:
+    """Connect to ``run.ray_address``, or to the cluster of a Ray job (RAY_ADDRESS), else start a private Ray.
+
+    True when it started a private Ray: one that no autoscaler grows, so what it lacks never comes.
+    """
     if ray.is_initialized():
-        return
+        return False
     if not cfg.scaling.use_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # inherited by the workers of a local Ray
     # Inside a Ray job, RAY_ADDRESS is the cluster; an http:// one is a job API URL (for the job CLI).
@@ -78,10 +82,27 @@ def init_ray(cfg: TrainConfig) -> None:
     address = cfg.run.ray_address or ("" if job_cluster.startswith(("http://", "https://")) else job_cluster)
     if address:
         ray.init(address=address)
-    else:  # a private embedded Ray, never one that happens to run on this machine
-        ray.init(
-            address="local", num_cpus=max(os.cpu_count() or 1, cfg.scaling.max_workers * cfg.scaling.cpus_per_worker)
+        return False
+    # A private embedded Ray, never one that happens to run on this machine.
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, cfg.scaling.max_workers * cfg.scaling.cpus_per_worker))
+    return True
+
+
+def resources_offered(resources: dict[str, float], setting: str) -> dict[str, float]:
+    """``resources`` less those that no node of this (private) Ray has, each dropped with one warning line.
+
+    A task asking for them would wait forever; on a cluster, call it not: an autoscaler may add such nodes.
+    """
+    available = ray.cluster_resources()
+    missing = [name for name in resources if name not in available]
+    for name in missing:
+        print(
+            f"warning: {setting}: no node of this local Ray offers {name!r} and none can be added; "
+            f"running without it (set {setting} to drop it)",
+            file=sys.stderr,
+            flush=True,
         )
+    return {name: amount for name, amount in resources.items() if name not in missing}
 
 
 def stop_gracefully_on_sigterm() -> None:

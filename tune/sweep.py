@@ -10,7 +10,7 @@ up, Optuna's state and finished trials included), each trial's training run unde
 """
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from ray.tune.search.optuna import OptunaSearch
 
 from train import storage
 from train.config import CONFIG_DIR
-from train.launch import ensure_dataset, init_ray
+from train.launch import ensure_dataset, init_ray, resources_offered
 from tune.config import SweepConfig, sweep_config_from_dict, tune_space
 from tune.plots import save_plots
 from tune.trial import run_trial, sweep_dir, trial_config
@@ -45,7 +45,8 @@ class SweepResult:
 def _trainable(sweep: SweepConfig):
     address = [f"run.ray_address={sweep.ray_address}"] if sweep.ray_address else []
     cfg = sweep.base_config([f"run.storage_path={sweep.storage_root()}", *address])
-    init_ray(cfg)
+    if init_ray(cfg):  # a private Ray: a resource no node has (spot, on a laptop) would keep trials pending forever
+        sweep = replace(sweep, trial_resources=resources_offered(sweep.trial_resources, "trial_resources"))
     data_path, manifest = ensure_dataset(cfg)  # prepared once by the driver, read by every trial
     trainable = tune.with_parameters(run_trial, sweep=sweep, data_path=data_path, manifest=manifest)
     # With Train workers the trial's process only drives them: a sliver of CPU, on any node (the head
