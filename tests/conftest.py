@@ -76,9 +76,12 @@ def tiny_config(tiny_dataset, tmp_path):
     return build
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def process_group():
-    """A one-process gloo group, for DeepSpeed engines built in the test process."""
+    """A one-process gloo group, for DeepSpeed engines built in the test process.
+
+    One per session: DeepSpeed keeps the first group it saw, so a second one would not be registered.
+    """
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setenv("LOCAL_RANK", "0")  # DeepSpeed reads it; Ray Train sets it on real workers
     with socket.socket() as s:
