@@ -19,7 +19,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from fastapi import Depends, FastAPI, Request
@@ -61,7 +61,9 @@ class SamplingFields(StrictBody):
         1.0, ge=0.0, le=2.0, description="0 (or below 0.001) is greedy decoding; higher is more random."
     )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling; the most likely token always stays.")
-    stop: str | list[str] | None = Field(None, description="Up to 4 sequences that end the text (not included).")
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = Field(
+        None, description="A sequence, or up to 4, that ends the text (not included)."
+    )
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Makes sampling repeatable, alone or in a batch.")
     n: int = Field(1, ge=1, le=8, description="Completions per request (choice i is seeded seed + i).")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted once from generated tokens.")
@@ -309,8 +311,6 @@ class CompletionServer:
             raise ApiError(
                 404, f"model: {body.model!r} is not served here; this server has {self.model_name!r}", "model"
             )
-        if isinstance(body.stop, list) and len(body.stop) > 4:
-            raise ApiError(400, f"stop: at most 4 sequences, got {len(body.stop)}", "stop")
         prompt = [int(t) for t in self.tokenizer.encode(text)]
         if not prompt:
             raise ApiError(400, f"{param}: the text encodes to no tokens", param)

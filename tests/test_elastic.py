@@ -24,6 +24,8 @@ from train.launch import local_run_dir, run_training
 from train.loader import SampleOrder
 from train.timeline import progress_of
 
+pytestmark = pytest.mark.cluster
+
 SLOT = "elastic_test_slot"  # only the added nodes offer it, so no training worker lands on the head
 GLOBAL_BATCH = 12  # divides for 2 and 3 workers with micro batch 2
 

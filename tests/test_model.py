@@ -1,6 +1,9 @@
+import pytest
 import torch
 
 from train.model import GPT, ModelConfig, flops_per_token
+
+pytestmark = pytest.mark.unit
 
 CFG = ModelConfig(vocab_size=257, seq_len=32, n_layer=2, n_head=4, d_model=64)
 

@@ -5,6 +5,8 @@ from train.config import OptimConfig, load_config
 from train.ds_config import build_ds_config
 from train.schedule import lr_at
 
+pytestmark = pytest.mark.unit
+
 
 def test_warmup_then_cosine_to_floor():
     optim = OptimConfig(lr=1.0, warmup_steps=10, max_steps=110, min_lr_ratio=0.1)

@@ -27,6 +27,8 @@ from serve.config import serve_config_from_dict
 from tests.conftest import MEMORIZED_TEXT
 from train.config import ConfigError
 
+pytestmark = pytest.mark.cluster
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 

@@ -17,6 +17,8 @@ from train.export import load_exported
 from train.model import GPT, ModelConfig
 from train.tokenizer import ByteTokenizer
 
+pytestmark = pytest.mark.unit
+
 TOKENIZER = ByteTokenizer()
 CPU = torch.device("cpu")
 PROMPTS = ["Grüße", "3 € für", "und 🚀. Grüße aus Köln", "K", "für ☕", "aus Köln: 3", "Gr", "🚀"]

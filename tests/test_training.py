@@ -13,6 +13,8 @@ from train.export import load_exported
 from train.launch import local_run_dir, run_training
 from train.metrics import read_metrics
 
+pytestmark = pytest.mark.cluster
+
 
 def _train_losses(cfg) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in read_metrics(local_run_dir(cfg)) if "loss" in m}
