@@ -107,20 +107,20 @@ class ErrorBody(BaseModel):
 class ApiError(Exception):
     """A request the server answers with an error in OpenAI's shape."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.headers = status, message, param, headers
+        self.status, self.message, self.param = status, message, param
 
 
-def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "server_error"
     body = ErrorBody(error=ErrorDetail(message=message, type=kind, param=param))
-    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+    return JSONResponse(body.model_dump(), status_code=status)
 
 
 @api.exception_handler(ApiError)
 async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-    return error_response(exc.status, exc.message, exc.param, exc.headers)
+    return error_response(exc.status, exc.message, exc.param)
 
 
 @api.exception_handler(RequestValidationError)
