@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from train.config import load_config
-from train.data import load_split
+from train.data import dataset_path, load_split
 from train.export import load_exported
-from train.launch import dataset_path, init_ray, run_training
+from train.launch import init_ray, run_training
 
 
 @torch.no_grad()

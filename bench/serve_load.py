@@ -34,9 +34,8 @@ from serve.app import build_app, resolve_export
 from serve.decoder import Decoder
 from serve.engine import ContinuousBatcher, Engine, GenerationParams, Sequence
 from train.config import config_from_dict, load_config
-from train.data import load_split
+from train.data import dataset_path, load_split
 from train.export import load_exported
-from train.launch import dataset_path
 
 CLIENTS = (1, 8, 32, 64)
 PROMPT_BYTES = 32

@@ -63,7 +63,6 @@ def main() -> None:
         "reduction_factor": 2,
         "trial_resources": {"CPU": 1},
         "storage_path": root,
-        "recipe_dir": root,
     }
     methods = {
         "tpe_asha": {"search": "tpe", "early_stopping": "asha"},

@@ -11,7 +11,8 @@ import asyncio
 import sys
 
 from cluster.jobs import KINDS, JobError, connect, job_address, submit
-from train.config import ConfigError
+from train.cli import OneLineParser, config_errors_exit_2
+from train.schema import ConfigError
 
 
 def _pairs(items: list[str], option: str) -> dict[str, str]:
@@ -29,19 +30,26 @@ async def _follow(client, job_id: str) -> None:
         print(lines, end="", flush=True)
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m cluster", description=__doc__.split("\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
+def _parser() -> OneLineParser:
+    parser = OneLineParser(prog="python -m cluster", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     # Every job command talks to a cluster's job API.
-    on_cluster = argparse.ArgumentParser(add_help=False)
+    on_cluster = OneLineParser(add_help=False)
     on_cluster.add_argument("--address", help="the cluster's job API URL")
     for name in ("up", "down"):
         twin = commands.add_parser(name, help=f"{'start' if name == 'up' else 'stop'} the local twin")
         twin.add_argument("--local", action="store_true", required=True, help="the fake_multinode twin on this machine")
-    run = commands.add_parser("submit", parents=[on_cluster], help="submit a train, tune or serve job")
+    run = commands.add_parser(
+        "submit",
+        parents=[on_cluster],
+        help="submit a train, tune or serve job",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="--config and --set are those of the job's own command:\n"
+        "python -m train --help, python -m tune --help and python -m serve --help list every setting.",
+    )
     run.add_argument("kind", choices=KINDS)
-    run.add_argument("--config", required=True, help="recipe name or YAML file inside this project")
-    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    run.add_argument("--config", required=True, help="shipped recipe or sweep name, or a YAML file in this project")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     run.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment of the job")
     run.add_argument("--follow", action="store_true", help="stream the job's logs until it ends")
     for name in ("logs", "status", "stop"):
@@ -53,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+@config_errors_exit_2
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -87,9 +96,6 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(client.get_job_logs(args.job_id), end="")
         return 0
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
     except (JobError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

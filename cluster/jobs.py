@@ -13,14 +13,18 @@ from pathlib import Path
 from ray.exceptions import AuthenticationError
 from ray.job_submission import JobSubmissionClient
 
-from train.config import ConfigError
+from train.schema import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 KINDS = ("train", "tune", "serve")
 AGENT_WAIT_S = 60
-# Never uploaded: local runs, data, caches and git history.
-EXCLUDES = [".git", "runs", "data", "**/__pycache__", "*.egg-info", ".ruff_cache", ".pytest_cache"]
+# Never uploaded: secrets (environment files, keys, virtual environments, Ray's token dir), local runs,
+# data, caches and git history.
+EXCLUDES = [
+    ".env*", "**/.env*", ".venv", "venv", "*.pem", "*.key", ".ray", "runs", "data",
+    ".git", "**/__pycache__", "*.egg-info", ".ruff_cache", ".pytest_cache", "build", "dist",
+]  # fmt: skip
 
 
 class JobError(Exception):

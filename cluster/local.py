@@ -54,7 +54,10 @@ def up(state_dir: Path = STATE_DIR) -> dict:
         f"--dashboard-agent-listen-port={_free_port()}", f"--ray-client-server-port={_free_port()}",
         f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
     ]  # fmt: skip
-    subprocess.run(command, env={**os.environ, "RAY_FAKE_CLUSTER": "1"}, check=True, capture_output=True)
+    started = subprocess.run(command, env={**os.environ, "RAY_FAKE_CLUSTER": "1"}, capture_output=True, text=True)
+    if started.returncode:
+        last = (started.stderr.strip() or started.stdout.strip() or "no output").splitlines()[-1]
+        raise RuntimeError(f"`ray start` failed (exit {started.returncode}): {last}")
     state = {"address": f"{ip}:{gcs_port}", "dashboard": f"http://127.0.0.1:{dashboard_port}", "temp_dir": temp_dir}
     (state_dir / "state.json").write_text(json.dumps(state))
     return state

@@ -1,35 +1,42 @@
 """python -m serve --checkpoint PATH [--config serve.yaml] [--set key=value ...] [--port 8000]
 
 Serves a training export on a local Ray (or the cluster in RAY_ADDRESS) until interrupted.
-On a cluster, deploy configs/serve.yaml with ``serve deploy`` instead.
+On a cluster, deploy serve/deploy.yaml with ``serve deploy`` instead.
 """
 
-import argparse
 import os
 import sys
 import time
 
-from serve.config import load_serve_config
-from train.config import ConfigError
+from serve.config import ServeConfig, load_serve_config
+from train.cli import config_errors_exit_2, config_parser, print_config
+from train.schema import ConfigError
 
 
+@config_errors_exit_2
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m serve", description="OpenAI-compatible completions on Ray Serve.")
+    parser = config_parser(
+        "python -m serve",
+        "OpenAI-compatible completions on Ray Serve.",
+        ServeConfig,
+        "YAML file of serve settings (the settings below)",
+    )
     parser.add_argument("--checkpoint", help="training export or run directory (local path or URI)")
-    parser.add_argument("--config", help="YAML file of serve settings (fields of serve.config.ServeConfig)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one setting")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
     args = parser.parse_args(argv)
     overrides = args.set + ([f"checkpoint={args.checkpoint}"] if args.checkpoint else [])
-    try:
-        cfg = load_serve_config(args.config, overrides)
-        from serve.app import resolve_export  # imports Ray Serve: only after the config is valid
+    cfg = load_serve_config(args.config, overrides)
+    if args.print_config:
+        print_config(cfg)
+        return 0
+    from serve.app import resolve_export  # imports Ray Serve: only after the config is valid
 
+    try:
         resolve_export(cfg.checkpoint)
-    except (ConfigError, FileNotFoundError) as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
+    except OSError as exc:  # not there, or storage that cannot be reached
+        message = str(exc).splitlines()[0]
+        raise ConfigError(message if message.startswith("checkpoint") else f"checkpoint: {message}") from None
 
     import ray
     from ray import serve

@@ -1,51 +1,58 @@
 """Typed configuration of a served model; the same fields from YAML, ``--set`` overrides and Serve's app args."""
 
 import os
-from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from serve.precision import PRECISIONS
-from train.config import build_config, read_tree
+from pydantic import Field, model_validator
+
+from serve.precision import Precision
+from train.schema import Section, parse, read_tree
 
 
-@dataclass
-class ServeConfig:
-    checkpoint: str = ""  # a training export, its run dir, or any Hugging Face GPT-2 directory; local or URI
-    model_name: str = ""  # the name clients pass as "model"; "" = the training run's name
-    precision: str = "auto"  # fp32, bf16, int8 or fp8 (GPU only); auto = int8
+class ServeConfig(Section):
+    checkpoint: str = ""
+    """A training export, its run directory, or any Hugging Face GPT-2 directory; local or URI (required)."""
+    model_name: str = ""
+    """The name clients pass as "model"; "" = the training run's name."""
+    precision: Literal["auto", Precision] = "auto"
+    """Weights and compute: fp32, bf16, int8, or fp8 (GPU only); auto = int8."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    batching: Literal["continuous", "serve_batch", "none"] = "continuous"  # serve_batch/none: for comparison
-    max_batch_size: int = 32  # sequences decoded together per replica
-    batch_wait_timeout_s: float = 0.01  # serve_batch only
-    max_ongoing_requests: int = 64  # per replica; at least max_batch_size so batches can fill
-    max_queued_requests: int = 256  # per caller; beyond it requests get 429 with Retry-After
-    retry_after_s: int = 1
-    min_replicas: int = 1
-    max_replicas: int = 1
-    target_ongoing_requests: float = 32.0  # autoscaling aims at this many requests per replica
-    cpus_per_replica: float = 1.0
-    torch_threads: int = 1  # one thread per replica was 5-15x faster than two under load on CPU
-    # The API key is never a config value (Serve stores configs where others can read them): it is the
-    # first line of this file on the replica's node, else the replica's RAYWRIGHT_API_KEY, else none.
+    """Where replicas run the model; auto = a GPU if the replica has one."""
+    batching: Literal["continuous", "serve_batch", "none"] = "continuous"
+    """Continuous batching; serve_batch (Ray Serve's @serve.batch) and none are for comparison."""
+    max_batch_size: int = Field(32, ge=1)
+    """Sequences decoded together per replica."""
+    batch_wait_timeout_s: float = Field(0.01, ge=0.0)
+    """serve_batch only: how long a batch waits to fill."""
+    max_ongoing_requests: int = Field(64, ge=1)
+    """Requests per replica; at least max_batch_size so that batches can fill."""
+    max_queued_requests: int = Field(256, ge=1)
+    """Requests queued per caller; beyond it requests get 429 with Retry-After."""
+    retry_after_s: int = Field(1, ge=0)
+    """The Retry-After of a 429."""
+    min_replicas: int = Field(1, ge=1)
+    """Replicas kept up."""
+    max_replicas: int = Field(1, ge=1)
+    """Replicas the autoscaler may add."""
+    target_ongoing_requests: float = Field(32.0, gt=0.0)
+    """The autoscaler aims at this many requests per replica."""
+    cpus_per_replica: float = Field(1.0, gt=0.0)
+    """CPUs each replica reserves."""
+    torch_threads: int = Field(1, ge=1)
+    """Torch threads per replica (one thread per replica was 5-15x faster than two under load on CPU)."""
     api_key_file: str = ""
-    request_timeout_s: float = 300.0  # a request still generating then ends with 504 (or an error event)
-    max_request_bytes: int = 1_000_000  # larger bodies get 413 before anything reads them
+    """A file on the replica's node whose first line is the API key clients must send; "" = the replica's
+    RAYWRIGHT_API_KEY, else no key. The key itself is never a config value: Serve stores configs where
+    others can read them."""
+    request_timeout_s: float = Field(300.0, gt=0.0)
+    """A request still generating then ends with 504 (or an error event when streaming)."""
+    max_request_bytes: int = Field(1_000_000, ge=1)
+    """Larger bodies get 413 before anything reads them."""
 
-    def validate(self) -> None:
+    @model_validator(mode="after")
+    def _consistent(self) -> "ServeConfig":
         if not self.checkpoint:
             raise ValueError("checkpoint: give the training export to serve (a path or URI)")
-        if self.precision not in ("auto", *PRECISIONS):
-            raise ValueError(f"precision: {self.precision!r} is not one of {['auto', *PRECISIONS]}")
-        for key in (
-            "max_batch_size",
-            "max_ongoing_requests",
-            "max_queued_requests",
-            "min_replicas",
-            "torch_threads",
-            "max_request_bytes",
-        ):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
         if self.max_ongoing_requests < self.max_batch_size:
             raise ValueError(
                 f"max_ongoing_requests ({self.max_ongoing_requests}) must be >= max_batch_size "
@@ -53,10 +60,7 @@ class ServeConfig:
             )
         if self.max_replicas < self.min_replicas:
             raise ValueError(f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})")
-        if self.target_ongoing_requests <= 0 or self.batch_wait_timeout_s < 0 or self.retry_after_s < 0:
-            raise ValueError("target_ongoing_requests must be > 0; batch_wait_timeout_s and retry_after_s >= 0")
-        if self.request_timeout_s <= 0:
-            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        return self
 
     def resolved_api_key(self) -> str:
         """The key the replica requires ("" for none); a key file that is missing or empty is an error."""
@@ -72,11 +76,11 @@ class ServeConfig:
         return os.environ.get("RAYWRIGHT_API_KEY", "").strip()
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return self.model_dump(mode="json")
 
 
 def serve_config_from_dict(values: dict[str, Any]) -> ServeConfig:
-    return build_config(ServeConfig, values)
+    return parse(ServeConfig, values)
 
 
 def load_serve_config(path: str | None = None, overrides: list[str] = ()) -> ServeConfig:

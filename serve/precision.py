@@ -10,13 +10,13 @@ a request's output would change with its neighbours.)
 On a GPU, ``int8`` (weight-only) and ``fp8`` go through torchao, the usual route there.
 """
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import nn
 
 Precision = Literal["fp32", "bf16", "int8", "fp8"]
-PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "int8", "fp8")
+PRECISIONS: tuple[str, ...] = get_args(Precision)
 
 
 class Int8Linear(nn.Module):

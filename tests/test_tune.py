@@ -18,7 +18,7 @@ from ray.util.state import list_actors
 from train.config import ConfigError, load_config
 from train.launch import run_training
 from tune.__main__ import main as tune_main
-from tune.config import load_sweep_config, sweep_config_from_dict
+from tune.config import SWEEP_DIR, load_sweep_config, sweep_config_from_dict
 from tune.sweep import resume_sweep, run_sweep
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,9 +56,9 @@ def test_bad_search_space_gets_an_error_naming_the_parameter(space, named):
         sweep_config_from_dict({"base": "tiny", "space": space})
 
 
-@pytest.mark.parametrize("sweep", sorted(p.name for p in (REPO / "configs").glob("sweep-*.yaml")))
-def test_every_sweep_file_loads(sweep):
-    load_sweep_config(str(REPO / "configs" / sweep))
+@pytest.mark.parametrize("sweep", sorted(p.stem for p in SWEEP_DIR.glob("*.yaml")))
+def test_every_shipped_sweep_loads(sweep):
+    load_sweep_config(sweep)
 
 
 def test_cli_rejects_a_bad_sweep_file_before_starting_ray(tmp_path, capsys):
@@ -66,25 +66,25 @@ def test_cli_rejects_a_bad_sweep_file_before_starting_ray(tmp_path, capsys):
     bad.write_text(yaml.safe_dump({"name": "bad", "space": {"optim.lr": {"choice": []}}}))
     assert tune_main(["--config", str(bad)]) == 2
     assert "space.optim.lr" in capsys.readouterr().err
-    assert tune_main(["--config", "configs/sweep-tiny.yaml", "--set", "num_trials=0"]) == 2
+    assert tune_main(["--config", "tiny", "--set", "num_trials=0"]) == 2
     assert "num_trials" in capsys.readouterr().err
     assert tune_main(["--resume", str(tmp_path)]) == 2
 
 
 def test_readme_sweep_command_runs_on_a_local_ray_without_spot_nodes(tiny_dataset, tmp_path):
-    """`python -m tune --config configs/sweep-tiny.yaml` as the README gives it, shortened by --set only.
+    """`python -m tune --config tiny` as the README gives it, shortened by --set only.
 
     Its trials ask for `spot`, which a local Ray has not and cannot get: one warning, then the sweep runs.
     """
     shorter = f"set=[optim.max_steps=20, optim.warmup_steps=5, run.eval_every=10, data.path={tiny_dataset}]"
-    command = [sys.executable, "-m", "tune", "--config", "configs/sweep-tiny.yaml", "--set", shorter]
-    command += ["--set", "num_trials=2", "--set", f"storage_path={tmp_path}", "--set", f"recipe_dir={tmp_path}"]
+    command = [sys.executable, "-m", "tune", "--config", "tiny", "--set", shorter]
+    command += ["--set", "num_trials=2", "--set", f"storage_path={tmp_path}"]
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     warnings = [line for line in done.stderr.splitlines() if line.startswith("warning: trial_resources")]
     assert len(warnings) == 1 and "'spot'" in warnings[0], warnings
-    assert "best recipe:" in done.stdout and (tmp_path / "best-tiny.yaml").is_file()
+    assert "best recipe:" in done.stdout and (tmp_path / "sweeps" / "tiny" / "best-tiny.yaml").is_file()
 
 
 def test_notebook_sweep_stops_trials_early_runs_them_concurrently_and_its_best_recipe_trains(
@@ -92,7 +92,7 @@ def test_notebook_sweep_stops_trials_early_runs_them_concurrently_and_its_best_r
 ):
     """The notebook, executed headless against this session's Ray, is the small sweep under test."""
     notebook = nbformat.read(REPO / "notebooks" / "sweep.ipynb", as_version=4)
-    env = {"RAY_ADDRESS": ray_session.address, "SWEEP_STORAGE": str(tmp_path), "SWEEP_RECIPE_DIR": str(tmp_path)}
+    env = {"RAY_ADDRESS": ray_session.address, "SWEEP_STORAGE": str(tmp_path)}
     os.environ.update(env)
     try:
         nbclient.NotebookClient(notebook, timeout=900, resources={"metadata": {"path": str(REPO)}}).execute()
@@ -133,7 +133,6 @@ def test_sweep_resumes_after_its_driver_is_killed(ray_session, tiny_dataset, tmp
                 "early_stopping": "none",
                 "trial_resources": {"CPU": 1},
                 "storage_path": str(tmp_path),
-                "recipe_dir": str(tmp_path),
                 "ray_address": ray_session.address,
             }
         )
@@ -168,7 +167,6 @@ def test_trial_resumes_from_its_checkpoint_on_another_spot_node(ray_session, tin
         "space": {"optim.lr": {"choice": [3e-3]}},
         "num_trials": 1,
         "storage_path": str(tmp_path),
-        "recipe_dir": str(tmp_path),
         "trial_resources": {"CPU": 1, "spot": 0.01},
     }
     sweep_thread = threading.Thread(target=lambda: result.append(run_sweep("tiny", {}, **options)))
@@ -213,7 +211,6 @@ def test_multi_worker_trials_run_deepspeed_on_ray_train_inside_tune(ray_session,
         trial_workers=2,
         trial_resources={"CPU": 1},
         storage_path=str(tmp_path),
-        recipe_dir=str(tmp_path),
     )
     trials = result.trials
     assert len(trials) == 2 and not trials["error"].any() and (trials["steps"] == 40).all()

@@ -1,42 +1,29 @@
-"""python -m train [--config RECIPE] [--set section.key=value ...]"""
+"""python -m train [--config RECIPE] [--set section.key=value ...]   (--help lists every setting)"""
 
-import argparse
-import json
 import sys
 
-from train.config import ConfigError, load_config
+from train.cli import config_errors_exit_2, config_parser, print_config
+from train.config import TrainConfig, load_config, recipe_names
+from train.preflight import check_before_ray
 
 
+@config_errors_exit_2
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train", description="Train a GPT with Ray Train and DeepSpeed.")
-    parser.add_argument("--config", default="tiny", help="recipe name in configs/ or a YAML path (default: tiny)")
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one config value (repeatable), e.g. --set optim.lr=3e-4",
+    parser = config_parser(
+        "python -m train",
+        "Train a GPT with Ray Train and DeepSpeed.",
+        TrainConfig,
+        f"a shipped recipe ({', '.join(recipe_names())}) or a YAML path or URI (default: tiny)",
     )
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.set)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
+    cfg = load_config(args.config or "tiny", args.set)
     if args.print_config:
-        print(json.dumps(cfg.to_dict(), indent=2))
+        print_config(cfg)
         return 0
+    check_before_ray(cfg)
+    from train.launch import run_training  # Ray: after the config is checked
 
-    from train.launch import init_ray, run_training, stop_gracefully_on_sigterm  # Ray: after the config is valid
-
-    init_ray(cfg)
-    stop_gracefully_on_sigterm()  # after ray.init, which installs a SIGTERM handler of its own
-    try:
-        summary = run_training(cfg)
-    except ConfigError as exc:  # found on the driver once Ray is up (a data.path that is not a dataset)
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
+    summary = run_training(cfg, stop_on_sigterm=True)
     elastic = summary.elastic
     lines = {
         "run": summary.run_dir,

@@ -12,6 +12,7 @@ stream is cut into sequences of ``seq_len + 1`` tokens (inputs plus shifted targ
 import argparse
 import fnmatch
 import hashlib
+import json
 import os
 import sysconfig
 import uuid
@@ -22,7 +23,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from train import storage
-from train.config import ConfigError
+from train.config import TrainConfig
+from train.schema import ConfigError
 from train.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer, save_tokenizer, train_bpe
 
 MANIFEST = "manifest.json"
@@ -151,7 +153,7 @@ def prepare(
     """
     import ray.data
 
-    _refuse_foreign(out)  # before any work: a user's directory is never touched
+    refuse_foreign(out)  # before any work: a user's directory is never touched
     ray.data.DataContext.get_current().execution_options.preserve_order = True  # reproducible shards
     source = source or default_source()
     fs, files, kind = list_source(source)
@@ -178,7 +180,7 @@ def prepare(
     manifest.update(source_sha256=source_sha256, documents=len(digests), val_fraction=val_fraction)
     storage.write_json(storage.join(staging, MANIFEST), manifest)  # last: it makes the dataset complete
     if staging != out:
-        _refuse_foreign(out)  # again: something may have appeared there meanwhile
+        refuse_foreign(out)  # again: something may have appeared there meanwhile
         if storage.exists(out):
             storage.delete_dir(out)
         out_fs, out_path = storage.resolve(out)
@@ -186,7 +188,7 @@ def prepare(
     return manifest
 
 
-def _refuse_foreign(out: str) -> None:
+def refuse_foreign(out: str) -> None:
     """Refuse an ``out`` that holds files raywright did not write (no manifest, no preparation marker)."""
     if not storage.exists(out) or not storage.list_dir(out):
         return
@@ -229,10 +231,25 @@ def _write_dataset(out: str, tokens, tokenizer: BPETokenizer, seq_len: int, sour
     return manifest
 
 
+def dataset_path(cfg: TrainConfig) -> str:
+    """``data.path``, or a directory under the storage path named by the preparation settings."""
+    data = cfg.data
+    if data.path:
+        return data.path
+    tokenizer = [data.tokenizer, data.vocab_size] if data.tokenizer == "bpe" else [data.tokenizer]
+    settings = json.dumps([data.source, data.text_column, data.val_fraction, *tokenizer, cfg.model.seq_len])
+    return storage.join(cfg.run.storage_path, "datasets", hashlib.sha256(settings.encode()).hexdigest()[:12])
+
+
 def load_manifest(path: str) -> dict | None:
     """The manifest of a prepared dataset, or None if ``path`` holds no complete preparation."""
     uri = storage.join(path, MANIFEST)
     return storage.read_json(uri) if storage.exists(uri) else None
+
+
+def manifest_sha256(manifest: dict) -> str:
+    """The identity of a prepared dataset, as checkpoints record it."""
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
 
 
 def load_split(path: str, split: str) -> np.ndarray:

@@ -7,7 +7,7 @@ plus ``raywright.json``, our provenance (data manifest hash, resolved training c
 version). ``load_exported`` reads any GPT-2 directory, ours or not. Nothing is unpickled.
 """
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -64,7 +64,7 @@ def save_export(
     storage.write_json(storage.join(uri, "generation_config.json"), {"bos_token_id": eot, "eos_token_id": eot})
     storage.write_json(
         storage.join(uri, PROVENANCE),
-        {"model": asdict(model_config), "tokenizer": tokenizer.spec(), "provenance": provenance},
+        {"model": model_config.model_dump(mode="json"), "tokenizer": tokenizer.spec(), "provenance": provenance},
     )
     storage.write_json(storage.join(uri, CONFIG), hf_config(model_config, eot))
 

@@ -1,6 +1,5 @@
 """Driver side of a training run: Ray, the dataset, the TorchTrainer, and the run summary."""
 
-import hashlib
 import json
 import os
 import signal
@@ -21,12 +20,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from train import checkpoint, storage
 from train.config import TrainConfig
-from train.data import load_manifest, prepare
+from train.data import dataset_path, load_manifest, manifest_sha256, prepare
 from train.export import export_uri
 from train.loop import train_loop
 from train.metrics import MetricsRecorder, read_metrics
+from train.preflight import check_dataset_matches, cluster_address
+from train.schema import replace
 from train.timeline import TIMELINE_PREFIX, RunTimeline
-from train.tokenizer import load_tokenizer
 
 # One progress line per report in the terminal, without Ray Train's echo of every report.
 RAY_TRAIN_LOGGING_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_TRAIN_ENABLE_WORKER_STRUCTURED_LOGGING": "0"}
@@ -41,16 +41,6 @@ class RunSummary:
     final_val_loss: float | None
     steps: int
     elastic: dict  # world-size timeline, resizes, steps redone, goodput, cost (train/timeline.py)
-
-
-def dataset_path(cfg: TrainConfig) -> str:
-    """``data.path``, or a directory under the storage path named by the preparation settings."""
-    if cfg.data.path:
-        return cfg.data.path
-    data = cfg.data
-    tokenizer = [data.tokenizer, data.vocab_size] if data.tokenizer == "bpe" else [data.tokenizer]
-    settings = json.dumps([data.source, data.text_column, data.val_fraction, *tokenizer, cfg.model.seq_len])
-    return storage.join(cfg.run.storage_path, "datasets", hashlib.sha256(settings.encode()).hexdigest()[:12])
 
 
 def code_version() -> str:
@@ -77,9 +67,7 @@ def init_ray(cfg: TrainConfig) -> bool:
         return False
     if not cfg.scaling.use_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # inherited by the workers of a local Ray
-    # Inside a Ray job, RAY_ADDRESS is the cluster; an http:// one is a job API URL (for the job CLI).
-    job_cluster = os.environ.get("RAY_ADDRESS", "")
-    address = cfg.run.ray_address or ("" if job_cluster.startswith(("http://", "https://")) else job_cluster)
+    address = cluster_address(cfg)
     if address:
         ray.init(address=address)
         return False
@@ -105,6 +93,23 @@ def resources_offered(resources: dict[str, float], setting: str) -> dict[str, fl
     return {name: amount for name, amount in resources.items() if name not in missing}
 
 
+def say_what_the_cluster_lacks(cfg: TrainConfig) -> None:
+    """On a cluster, one line naming the resources that no node offers yet: the run waits for an autoscaler."""
+    per_worker = {"CPU": cfg.scaling.cpus_per_worker, **cfg.scaling.resources_per_worker}
+    if cfg.scaling.use_gpu:
+        per_worker["GPU"] = 1
+    available = ray.cluster_resources()
+    lacking = {name: amount for name, amount in per_worker.items() if available.get(name, 0) < amount}
+    if lacking:
+        print(
+            f"waiting for the cluster to add nodes offering {lacking} per worker "
+            f"(scaling.use_gpu, scaling.cpus_per_worker, scaling.resources_per_worker); an autoscaler adds them "
+            "if its node types have them",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def stop_gracefully_on_sigterm() -> None:
     """Take SIGTERM (what ``ray job stop`` sends first) as Ctrl-C, which Ray Train turns into a
     graceful abort: the run withdraws its autoscaler request, so its idle nodes are given back after
@@ -116,11 +121,16 @@ def set_ray_train_env(cfg: TrainConfig) -> None:
     """Ray Train reads these from the driver's environment and passes them to its controller and workers.
 
     Its defaults (2 s health checks, 60 s worker-group start timeout) made every report take over
-    a second and recovery from a lost node take ~90 s; the config's values keep both short.
+    a second and recovery from a lost node take ~90 s; the config's values keep both short. Each is a
+    default: a value already in the environment wins.
     """
-    os.environ.update(RAY_TRAIN_LOGGING_ENV)
-    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(cfg.scaling.health_check_interval_s)
-    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.scaling.worker_start_timeout_s)
+    defaults = {
+        **RAY_TRAIN_LOGGING_ENV,
+        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": str(cfg.scaling.health_check_interval_s),
+        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(cfg.scaling.worker_start_timeout_s),
+    }
+    for name, value in defaults.items():
+        os.environ.setdefault(name, value)
 
 
 def loop_args(cfg: TrainConfig, data_path: str, manifest: dict, timeline: str | None = None) -> dict[str, Any]:
@@ -133,7 +143,7 @@ def loop_args(cfg: TrainConfig, data_path: str, manifest: dict, timeline: str | 
         "timeline": timeline,
         "tokens_per_byte": manifest["tokens_per_byte"],
         "provenance": {
-            "data_manifest_sha256": hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest(),
+            "data_manifest_sha256": manifest_sha256(manifest),
             "data_source_sha256": manifest["source_sha256"],
             "code_version": code_version(),
         },
@@ -183,28 +193,23 @@ def ensure_dataset(cfg: TrainConfig) -> tuple[str, dict]:
             data.source, path, cfg.model.seq_len, data.val_fraction, data.text_column, data.tokenizer, data.vocab_size
         )
         print(f"{manifest['tokens_per_byte']:.3f} tokens per byte with the {data.tokenizer} tokenizer", flush=True)
-    elif manifest["seq_len"] != cfg.model.seq_len:
-        raise ValueError(
-            f"data.path {path} holds sequences of {manifest['seq_len']} tokens, model.seq_len is {cfg.model.seq_len}"
-        )
-    tokenizer = manifest["tokenizer"]
-    if data.tokenizer in ("byte", "bpe"):
-        same_tokenizer = tokenizer["type"] == data.tokenizer
     else:
-        same_tokenizer = tokenizer["sha256"] == load_tokenizer(data.tokenizer).spec()["sha256"]
-    if not same_tokenizer:
-        raise ValueError(f"data.path {path} was tokenized with another tokenizer than data.tokenizer {data.tokenizer}")
-    if tokenizer["vocab_size"] > cfg.model.vocab_size:
-        raise ValueError(
-            f"data.path {path} was tokenized with {tokenizer['vocab_size']} tokens, "
-            f"model.vocab_size is {cfg.model.vocab_size}"
-        )
+        check_dataset_matches(cfg, path, manifest)
     return path, manifest
 
 
-def run_training(cfg: TrainConfig) -> RunSummary:
-    """Train ``cfg`` to completion (resuming the run of the same name if it exists)."""
-    init_ray(cfg)
+def run_training(cfg: TrainConfig, stop_on_sigterm: bool = False) -> RunSummary:
+    """Train ``cfg`` to completion (resuming the run of the same name if it exists).
+
+    ``stop_on_sigterm``: the command line's run, where ``ray job stop`` should abort gracefully.
+    """
+    if init_ray(cfg):
+        offered = resources_offered(cfg.scaling.resources_per_worker, "scaling.resources_per_worker")
+        cfg = replace(cfg, scaling=replace(cfg.scaling, resources_per_worker=offered))
+    else:
+        say_what_the_cluster_lacks(cfg)
+    if stop_on_sigterm:
+        stop_gracefully_on_sigterm()  # after ray.init, which installs a SIGTERM handler of its own
     data_path, manifest = ensure_dataset(cfg)
     timeline_name = f"{TIMELINE_PREFIX}{cfg.run.name}-{uuid.uuid4().hex[:8]}"
     # On the driver's node (the head on a cluster): the timeline must outlive any worker node.

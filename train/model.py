@@ -6,35 +6,40 @@ embedding. The same class is trained by ``train/`` and served by ``serve/``.
 """
 
 import math
-from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field, model_validator
 from torch import nn
 
+from train.schema import Section
 
-@dataclass
-class ModelConfig:
-    vocab_size: int = 257  # byte-level: 256 byte values + end-of-text
-    seq_len: int = 256  # context length in tokens
-    n_layer: int = 4
-    n_head: int = 4
-    d_model: int = 256
-    dropout: float = 0.0
-    activation: Literal["gelu", "gelu_tanh"] = "gelu"  # exact GELU, or the tanh approximation of OpenAI's GPT-2
-    # A Hugging Face GPT-2 directory (local or URI) to start training from: its shape and its
-    # tokenizer replace the fields above and data.tokenizer (train/hf_gpt2.py).
+
+class ModelConfig(Section):
+    vocab_size: int = Field(257, ge=1)
+    """Token ids the embedding holds; raised to the tokenizer's vocabulary (byte-level: 256 bytes + end-of-text)."""
+    seq_len: int = Field(256, ge=1)
+    """Context length in tokens."""
+    n_layer: int = Field(4, ge=1)
+    """Transformer blocks."""
+    n_head: int = Field(4, ge=1)
+    """Attention heads per block; must divide d_model."""
+    d_model: int = Field(256, ge=1)
+    """Width of the residual stream."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on attention, MLP and embeddings while training."""
+    activation: Literal["gelu", "gelu_tanh"] = "gelu"
+    """Exact GELU, or the tanh approximation of OpenAI's GPT-2."""
     init_from: str = ""
+    """A Hugging Face GPT-2 directory (local or URI) to start from: its shape and tokenizer replace the fields
+    above and data.tokenizer (train/hf_gpt2.py)."""
 
-    def validate(self) -> None:
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> "ModelConfig":
         if self.d_model % self.n_head:
-            raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head})")
-        for key in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"model.{key} must be >= 1, got {getattr(self, key)}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
+        return self
 
 
 class KVCache(Protocol):
@@ -96,7 +101,6 @@ class Block(nn.Module):
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        cfg.validate()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)

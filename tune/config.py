@@ -16,58 +16,72 @@ so a bad parameter fails with its name instead of in the middle of a sweep.
 
 import itertools
 import json
-from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
+from pydantic import Field, model_validator
 from ray import tune
 
-from train.config import ConfigError, TrainConfig, build_config, load_config, read_tree
+from train.config import TrainConfig, load_config
+from train.schema import ConfigError, Name, Section, parse, read_tree
 
+SWEEP_DIR = Path(__file__).with_name("sweeps")  # package data, like train/recipes/
 KINDS = ("loguniform", "uniform", "int", "choice")
 MAX_COMBINATIONS_CHECKED = 512
 
 
-@dataclass
-class SweepConfig:
-    name: str = "sweep"
-    base: str = "tiny"  # train recipe: a name in configs/ or a YAML path
-    set: list[str] = field(default_factory=list)  # section.key=value overrides of the base, for every trial
-    space: dict[str, dict] = field(
-        default_factory=dict
-    )  # section.key -> {loguniform|uniform|int: [lo, hi]} or {choice: [...]}
-    num_trials: int = 8
-    max_concurrent_trials: int = 2
+class SweepConfig(Section):
+    name: Name = "sweep"
+    """The sweep's directory name: results go to <storage_path>/sweeps/<name>."""
+    base: str = "tiny"
+    """The train recipe every trial starts from: a shipped recipe's name or a YAML path."""
+    set: list[str] = []
+    """section.key=value overrides of the base, for every trial."""
+    space: dict[str, dict[str, Any]] = Field(min_length=1)
+    """section.key -> {loguniform|uniform|int: [low, high]} or {choice: [...]}, e.g.
+    optim.lr: {loguniform: [1e-4, 1e-2]}."""
+    num_trials: int = Field(8, ge=1)
+    """Trials in the sweep."""
+    max_concurrent_trials: int = Field(2, ge=1)
+    """Trials running at once."""
     seed: int = 0
+    """Seeds the sampler: the same seed proposes the same trials."""
     search: Literal["tpe", "random"] = "tpe"
-    # Random trials before TPE models the space; Optuna's default (10) is a whole small sweep.
-    tpe_startup_trials: int = 4
+    """Optuna's TPE, or random search."""
+    tpe_startup_trials: int = Field(4, ge=1)
+    """Random trials before TPE models the space (Optuna's default, 10, is a whole small sweep)."""
     early_stopping: Literal["asha", "none"] = "asha"
-    grace_period: int = 10  # steps every trial trains before ASHA may stop it
-    reduction_factor: int = 2  # ASHA keeps the best 1/reduction_factor of the trials at each rung
+    """ASHA stops trials that fall behind at its rungs; none runs every trial to the end."""
+    grace_period: int = Field(10, ge=1)
+    """Steps every trial trains before ASHA may stop it."""
+    reduction_factor: int = Field(2, ge=2)
+    """ASHA keeps the best 1/reduction_factor of the trials at each rung."""
     metric: Literal["val_loss"] = "val_loss"
-    # 1: the trial trains in its own process. More: the trial runs a Ray Train DeepSpeed job of that many
-    # workers (Train inside Tune; ~40 s more start-up per trial).
-    trial_workers: int = 1
-    # What one training process asks for: the trial's own with one worker, each Train worker's with more.
-    trial_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0, "spot": 0.01})
-    max_failures: int = 3  # restarts of one trial (node lost, pre-empted) before it counts as failed
-    storage_path: str = ""  # "" = the base recipe's run.storage_path; results go to <storage>/sweeps/<name>
-    ray_address: str = ""  # "" = a private local Ray; "auto" or ray://... to use a cluster
-    recipe_dir: str = ""  # where best-<name>.yaml goes; "" = this project's configs/
+    """What the sweep minimizes."""
+    trial_workers: int = Field(1, ge=1)
+    """1: a trial trains in its own process. More: a trial is a Ray Train DeepSpeed job of that many workers
+    (Train inside Tune; ~40 s more start-up per trial)."""
+    trial_resources: dict[str, float] = {"CPU": 1.0, "spot": 0.01}
+    """What one training process asks for: the trial's own with one worker, each Train worker's with more.
+    A resource no node of a local Ray has (spot) is dropped there with a warning."""
+    max_failures: int = Field(3, ge=0)
+    """Restarts of one trial (node lost, pre-empted) before it counts as failed."""
+    storage_path: str = ""
+    """Where sweeps go; "" = the base recipe's run.storage_path."""
+    ray_address: str = ""
+    """"" = a private local Ray; "auto" or ray://... to use a cluster."""
+    best_recipe_path: str = ""
+    """Also write the best recipe to this YAML path; it is always in the sweep directory."""
 
-    def validate(self) -> None:
-        for key in ("num_trials", "max_concurrent_trials", "grace_period", "tpe_startup_trials", "trial_workers"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
-        if self.reduction_factor < 2:
-            raise ValueError(f"reduction_factor must be >= 2, got {self.reduction_factor}")
-        if not self.space:
-            raise ValueError("space: declare at least one parameter, e.g. optim.lr: {loguniform: [1e-4, 1e-2]}")
-        if any(amount < 0 for amount in self.trial_resources.values()):
-            raise ValueError(f"trial_resources must be >= 0, got {self.trial_resources}")
+    @model_validator(mode="after")
+    def _resources(self) -> "SweepConfig":
         # Ray rejects a zero resource request ("empty bundle"): ask for a sliver of `spot` instead.
-        if any(amount == 0 for amount in self.trial_resources.values()):
-            raise ValueError("trial_resources: a resource of 0 is rejected by Ray; use e.g. 0.01, or leave it out")
+        if any(amount <= 0 for amount in self.trial_resources.values()):
+            raise ValueError(
+                f"trial_resources must be > 0 (Ray rejects 0; use e.g. 0.01, or leave it out), "
+                f"got {self.trial_resources}"
+            )
+        return self
 
     @property
     def on_ray_train(self) -> bool:
@@ -83,7 +97,7 @@ class SweepConfig:
         return self.storage_path or self.base_config().run.storage_path
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return self.model_dump(mode="json")
 
 
 def override(key: str, value: Any) -> str:
@@ -151,10 +165,21 @@ def tune_space(space: dict[str, dict]) -> dict[str, Any]:
 
 
 def sweep_config_from_dict(values: dict[str, Any]) -> SweepConfig:
-    sweep = build_config(SweepConfig, values)
+    sweep = parse(SweepConfig, values)
     check_space(sweep)
     return sweep
 
 
-def load_sweep_config(path: str, overrides: list[str] = ()) -> SweepConfig:
-    return sweep_config_from_dict(read_tree(path, overrides, "sweep config"))
+def resolve_sweep(sweep: str) -> str:
+    """A sweep file is a YAML path, or the name of a shipped sweep (``tiny`` -> tune/sweeps/tiny.yaml)."""
+    path = Path(sweep).expanduser()
+    if path.suffix not in (".yaml", ".yml"):
+        path = SWEEP_DIR / f"{sweep}.yaml"
+    if not path.is_file():
+        shipped = sorted(p.stem for p in SWEEP_DIR.glob("*.yaml"))
+        raise ConfigError(f"--config: no sweep {sweep!r} (looked for {path}); shipped sweeps: {shipped}")
+    return str(path)
+
+
+def load_sweep_config(sweep: str, overrides: list[str] = ()) -> SweepConfig:
+    return sweep_config_from_dict(read_tree(resolve_sweep(sweep), overrides, "sweep config"))

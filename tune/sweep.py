@@ -2,7 +2,7 @@
 
     result = run_sweep("tiny", {"optim.lr": {"loguniform": [1e-4, 1e-2]}}, name="lr", num_trials=8)
     result.trials          # a DataFrame, one row per trial
-    result.best_recipe     # configs/best-lr.yaml: `python -m train --config configs/best-lr.yaml`
+    result.best_recipe     # <sweep dir>/best-lr.yaml: `python -m train --config <that path>`
 
 Results live in ``<storage>/sweeps/<name>/``: Tune's experiment state (``resume_sweep`` picks it
 up, Optuna's state and finished trials included), each trial's training run under ``trials/``,
@@ -11,7 +11,6 @@ up, Optuna's state and finished trials included), each trial's training run unde
 
 import os
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import optuna
@@ -24,8 +23,9 @@ from ray.tune.search.basic_variant import BasicVariantGenerator
 from ray.tune.search.optuna import OptunaSearch
 
 from train import storage
-from train.config import CONFIG_DIR
 from train.launch import ensure_dataset, init_ray, resources_offered
+from train.preflight import check_before_ray
+from train.schema import ConfigError
 from tune.config import SweepConfig, sweep_config_from_dict, tune_space
 from tune.plots import save_plots
 from tune.trial import run_trial, sweep_dir, trial_config
@@ -45,6 +45,7 @@ class SweepResult:
 def _trainable(sweep: SweepConfig):
     address = [f"run.ray_address={sweep.ray_address}"] if sweep.ray_address else []
     cfg = sweep.base_config([f"run.storage_path={sweep.storage_root()}", *address])
+    check_before_ray(cfg)
     if init_ray(cfg):  # a private Ray: a resource no node has (spot, on a laptop) would keep trials pending forever
         sweep = replace(sweep, trial_resources=resources_offered(sweep.trial_resources, "trial_resources"))
     data_path, manifest = ensure_dataset(cfg)  # prepared once by the driver, read by every trial
@@ -111,8 +112,8 @@ def resume_sweep(path: str) -> SweepResult:
     """Finish an interrupted sweep: finished trials are kept, unfinished ones resume from their checkpoints."""
     try:
         values = yaml.safe_load(storage.read_bytes(storage.join(path, SWEEP_FILE)))
-    except (FileNotFoundError, OSError):
-        raise FileNotFoundError(f"--resume: {path} holds no {SWEEP_FILE}; is it a sweep directory?") from None
+    except OSError:
+        raise ConfigError(f"--resume: {path} holds no {SWEEP_FILE}; is it a sweep directory?") from None
     sweep = sweep_config_from_dict(values)
     trainable, data_path = _trainable(sweep)
     tuner = tune.Tuner.restore(storage.absolute(path), trainable=trainable, resume_unfinished=True, resume_errored=True)
@@ -154,16 +155,18 @@ def summarize(sweep: SweepConfig, results, data_path: str) -> SweepResult:
 
 
 def write_best_recipe(sweep: SweepConfig, best: dict[str, Any], data_path: str) -> str:
-    """configs/best-<sweep>.yaml: the base recipe with the best parameters, complete and ready to train."""
+    """best-<sweep>.yaml in the sweep directory (and at ``best_recipe_path`` if set): the base recipe with
+    the best parameters, complete and ready to train. The path to train it from."""
     cfg = trial_config(sweep, {key: best[key] for key in sweep.space}, f"best-{sweep.name}", data_path)
     cfg.run.storage_path = sweep.storage_root()
-    recipe_dir = Path(sweep.recipe_dir) if sweep.recipe_dir else CONFIG_DIR
+    targets = [storage.join(sweep_dir(sweep), f"best-{sweep.name}.yaml")]
+    if sweep.best_recipe_path:
+        targets.insert(0, storage.absolute(sweep.best_recipe_path))
     header = (
         f"# Best of sweep {sweep.name!r}: trial {best['trial_id']}, {sweep.metric} {best['val_loss']:.4f} "
-        f"after {best['steps']} steps.\n# Train it: python -m train --config {recipe_dir / f'best-{sweep.name}.yaml'}\n"
+        f"after {best['steps']} steps.\n# Train it: python -m train --config {targets[0]}\n"
     )
     text = header + yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-    target = recipe_dir / f"best-{sweep.name}.yaml"
-    target.write_text(text)
-    storage.write_bytes(storage.join(sweep_dir(sweep), target.name), text.encode())
-    return str(target)
+    for target in targets:
+        storage.write_bytes(target, text.encode())
+    return targets[0]

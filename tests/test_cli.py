@@ -1,0 +1,116 @@
+"""Every CLI answers bad input with exit code 2 and one line on stderr that names the key; never a traceback.
+
+The cases run as real subprocesses, a few at a time, before the tests that check them (about a minute:
+not in the quick ``-m unit`` loop).
+"""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from train.config import load_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+# (command, what its one line must name); {tmp} is a per-session directory with the files below.
+CASES = [
+    ("train --set optim.lrr=1", "unknown key optim.lrr"),
+    ("train --set x=[", "override 'x=['"),
+    ("train --config {tmp}/malformed.yaml", "not valid YAML at line"),
+    ("train --config nosuch", "--config: no recipe 'nosuch'"),
+    ("train --set model.n_head=0", "model.n_head"),
+    ("train --set optim.lr=.nan", "optim.lr"),
+    ("train --set run.name=..", "run.name"),
+    ("train --set scaling.num_workers=[1,2] --set run.eval_samples=8", "run.eval_samples"),
+    ("train --set deepspeed.config_file={tmp}/no-such.json", "deepspeed.config_file"),
+    ("train --set deepspeed.config_file={tmp}/broken.json", "deepspeed.config_file"),
+    ("train --set deepspeed.config_file={tmp}/batch.json", "deepspeed.config_file"),
+    ("train --config small", "scaling.use_gpu"),  # a laptop has no GPU and a local Ray cannot add one
+    ("train --set data.source={tmp}/no-such-corpus", "data.source"),
+    ("train --set data.path={tmp}/users-own", "data.path"),
+    ("train --set run.storage_path=s3://raywright-no-such-bucket/runs", "run.storage_path"),
+    ("train --set run.storage_path={tmp}/resumed --set model.n_layer=3", "model.n_layer 2 -> 3"),
+    ("train --bogus", "unrecognized arguments: --bogus"),
+    ("tune", "give one of --config and --resume"),
+    ("tune --config nosuch", "--config: no sweep 'nosuch'"),
+    ("tune --config tiny --set name=a/b", "name"),
+    ("tune --config tiny --set num_trials=0", "num_trials"),
+    ("tune --config tiny --set 'space={optim.lrate: {choice: [1]}}'", "optim.lrate"),
+    ("tune --resume {tmp}", "--resume"),
+    ("serve", "checkpoint"),
+    ("serve --checkpoint {tmp}/no-such-export", "checkpoint"),
+    ("serve --checkpoint x --set precision=int4", "precision"),
+    ("serve --checkpoint x --set api_key=s3cret", "unknown key api_key"),
+    ("cluster submit train --config tiny --set optim.lr=x", "optim.lr"),
+    ("cluster submit tune --config nosuch", "--config"),
+    ("cluster submit train --config tiny --env FOO", "--env"),
+    ("cluster submit nosuch --config tiny", "invalid choice: 'nosuch'"),
+    ("cluster up", "--local"),
+]
+
+
+@pytest.fixture(scope="module")
+def answers(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    tmp = tmp_path_factory.mktemp("cli")
+    (tmp / "malformed.yaml").write_text("optim: {lr: 1e-3\n")
+    (tmp / "broken.json").write_text('{"zero_optimization": ')
+    (tmp / "batch.json").write_text(json.dumps({"train_batch_size": 999}))
+    step = tmp / "resumed" / "tiny" / "checkpoints" / "step_00000004"  # a complete checkpoint of no files
+    step.mkdir(parents=True)
+    (step / "metadata.json").write_text(json.dumps({"step": 4, "files": {}, "config": load_config("tiny").to_dict()}))
+    (tmp / "users-own").mkdir()
+    (tmp / "users-own" / "notes.txt").write_text("mine")
+    # Object storage that cannot be reached (a closed port) and no instance metadata to ask for credentials.
+    env = {"AWS_ENDPOINT_URL_S3": "http://127.0.0.1:9", "AWS_EC2_METADATA_DISABLED": "true", "RAY_ADDRESS": ""}
+
+    def run(command: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", *shlex.split(command.replace("{tmp}", str(tmp)))],
+            cwd=tmp,
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    with ThreadPoolExecutor(4) as pool:
+        done = dict(zip([c for c, _ in CASES], pool.map(run, [c for c, _ in CASES]), strict=True))
+    assert (tmp / "users-own" / "notes.txt").read_text() == "mine"  # a refused data.path is left as it was
+    assert not (tmp / "runs").exists()  # a rejected run writes nothing
+    assert [p.name for p in (tmp / "resumed").iterdir()] == ["tiny"]
+    return done
+
+
+@pytest.mark.parametrize(("command", "named"), CASES, ids=[c for c, _ in CASES])
+def test_bad_input_is_one_line_naming_the_key_and_exit_2(answers, command, named):
+    answer = answers[command]
+    lines = answer.stderr.strip().splitlines()
+    assert answer.returncode == 2, answer.stderr[-2000:]
+    assert len(lines) == 1 and "Traceback" not in answer.stderr, answer.stderr[-2000:]
+    assert named in lines[0]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("cli", ["train", "tune", "serve", "cluster"])
+def test_help_documents_the_settings(cli):
+    text = subprocess.run(
+        [sys.executable, "-m", cli, *(["submit"] if cli == "cluster" else []), "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+    ).stdout
+    expected = {
+        "train": ["optim.lr  (float, default 0.001)", "Peak learning rate", "deepspeed.zero_stage  (0|1|2|3"],
+        "tune": ["space  (dict[str, dict[str, Any]], required)", "grace_period  (int, default 10)"],
+        "serve": ["precision  (auto|fp32|bf16|int8|fp8, default auto)", "api_key_file"],
+        "cluster": ["python -m train --help"],
+    }[cli]
+    for fragment in expected:
+        assert fragment in text, fragment

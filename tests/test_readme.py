@@ -1,0 +1,129 @@
+"""Every shell command in the README runs here as written (a long one with a step limit), or says why not.
+
+A README command that is neither run nor excused fails ``test_every_readme_command_is_run_or_excused``,
+so an example cannot rot unnoticed.
+"""
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+STEP_LIMIT = " --set optim.max_steps=4 --set optim.warmup_steps=2 --set run.eval_every=4 --set checkpoint.every_steps=4"
+RUN, STEPS = "as written", "with a step limit"
+NEEDS_CLUSTER = "needs a Ray cluster on AWS (cluster.yaml); the job CLI is tested on the local twin (test_cluster.py)"
+
+# README command -> RUN, STEPS, or the reason it is not run here. In README order: later commands use earlier runs.
+HOW = {
+    "pip install torch==2.13.0 && pip install -e . && python -m train": STEPS,  # the install is this environment's
+    "pip install torch==2.13.0 && pip install -e '.[test]' && python -m pytest": "the suite itself (.ci/run)",
+    "python -m train --config small": "needs 4 GPUs; without them it is one line, exit 2 (test_cli.py)",
+    "python -m train --config tiny --set optim.lr=1e-3 --set deepspeed.zero_stage=3 --set run.name=tiny-zero3": STEPS,
+    "python -m train --config tiny --print-config": RUN,
+    "python -m train --help": RUN,
+    "python -m train.data prepare --source 'corpus/**/*.txt' --out data/mine --seq-len 256": RUN,
+    "python -m train.data prepare --source s3://bucket/docs.parquet --text-column body --out s3://bucket/prepared": (
+        "needs an S3 bucket"
+    ),
+    "python -m train --set data.tokenizer=bpe --set data.vocab_size=8192 --set run.name=tiny-bpe": STEPS,
+    "python -m train.data prepare --out data/bpe --tokenizer bpe --seq-len 256": RUN,
+    "python -m train": STEPS,
+    'python -c "\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\nmodel = AutoModelForCausalLM.'
+    "from_pretrained('runs/tiny/export')\ntokenizer = AutoTokenizer.from_pretrained('runs/tiny/export')\nids = "
+    "tokenizer('def main(', return_tensors='pt').input_ids\nprint(tokenizer.decode(model.generate(ids, "
+    'max_new_tokens=20, do_sample=False)[0]))"': RUN,
+    "python -m train --set model.init_from=runs/tiny/export --set run.name=finetune --set optim.max_steps=20": STEPS,
+    "python -m serve --checkpoint runs/tiny": RUN,  # in the background, for the curl below
+    "curl -s localhost:8000/v1/completions -H 'content-type: application/json' "
+    '-d \'{"prompt": "def main(", "max_tokens": 64, "temperature": 0}\'': RUN,
+    "python -m tune --config tiny": "run with fewer, shorter trials by test_tune.py's README sweep test",
+    "python -m tune --resume runs/sweeps/tiny": "needs an interrupted sweep: test_tune.py kills one and resumes it",
+    "python -m train --config runs/sweeps/tiny/best-tiny.yaml": "needs a finished sweep: test_tune.py trains one",
+    'mkdir -p ~/.ray && python -c "import secrets; print(secrets.token_hex(32))" > ~/.ray/auth_token '
+    "&& chmod 600 ~/.ray/auth_token": "writes the user's Ray token",
+    "ray up cluster.yaml": NEEDS_CLUSTER,
+    "ray dashboard cluster.yaml &": NEEDS_CLUSTER,
+    "python -m cluster submit train --config small --set run.storage_path=s3://bucket/raywright --follow": (
+        NEEDS_CLUSTER
+    ),
+    "python -m cluster list | status JOB | logs JOB --follow | stop JOB": NEEDS_CLUSTER,
+    "serve deploy serve/deploy.yaml": NEEDS_CLUSTER,
+    "ray down cluster.yaml": NEEDS_CLUSTER,
+}
+
+
+def readme_commands() -> list[str]:
+    """The commands of the README's bash blocks: comments dropped, continued and quoted lines joined."""
+    commands, pending = [], ""
+    for block in re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S):
+        for line in block.splitlines():
+            if not pending and (not line.strip() or line.lstrip().startswith("#")):
+                continue
+            if pending.count('"') % 2 == 0:  # outside a quoted python -c: drop the comment
+                line = re.split(r"\s+# ", line)[0]
+            line = line.split("   # pip install")[0]
+            pending = f"{pending}\n{line}" if pending.count('"') % 2 else f"{pending} {line.strip()}".strip()
+            if pending.endswith("\\"):
+                pending = pending[:-1].rstrip()
+            elif pending.count('"') % 2 == 0:
+                commands.append(pending)
+                pending = ""
+    return commands
+
+
+@pytest.mark.unit
+def test_every_readme_command_is_run_or_excused():
+    commands = readme_commands()
+    assert len(commands) > 20
+    assert [c for c in commands if c not in HOW] == [], "say in HOW how a new README command is tested"
+    assert [c for c in HOW if c not in commands] == [], "a command left the README: drop it from HOW"
+
+
+def _shell(command: str, cwd: Path, env: dict, timeout: int = 600) -> subprocess.CompletedProcess:
+    if command.startswith("pip install"):  # this environment is that install
+        command = command.split(" && ")[-1]
+    if HOW[command] == STEPS:
+        command += STEP_LIMIT
+    done = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{command}\n{done.stderr[-3000:]}"
+    return done
+
+
+@pytest.mark.cluster
+def test_readme_commands_run_as_written(tmp_path):
+    """In README order, in one directory, each on its own private Ray as a user's laptop would run them."""
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    corpus = tmp_path / "corpus" / "notes"
+    corpus.mkdir(parents=True)
+    for i in range(20):
+        (corpus / f"note{i}.txt").write_text(f"Note {i}: the quick brown fox jumps over the lazy dog.\n" * 40)
+    server = None
+    try:
+        for command in readme_commands():
+            if HOW[command] not in (RUN, STEPS):
+                continue
+            if command.startswith("python -m serve"):
+                server = subprocess.Popen(shlex.split(command), cwd=tmp_path, env=env, start_new_session=True)
+                continue
+            if command.startswith("curl"):
+                deadline = time.time() + 180
+                while subprocess.run(["curl", "-sf", "localhost:8000/ready"], capture_output=True).returncode:
+                    assert server.poll() is None and time.time() < deadline, "python -m serve did not come up"
+                    time.sleep(2)
+            done = _shell(command, tmp_path, env)
+            if command.startswith("curl"):
+                assert '"text"' in done.stdout, done.stdout
+            if command == "python -m train --help":
+                assert "optim.lr  (float" in done.stdout
+    finally:
+        if server is not None:
+            os.killpg(server.pid, signal.SIGINT)
+            server.wait(timeout=60)
+    assert (tmp_path / "data" / "mine" / "manifest.json").is_file()
+    assert (tmp_path / "runs" / "finetune" / "export" / "model.safetensors").is_file()

@@ -1,0 +1,57 @@
+"""What the command lines of train, tune and serve share: ``--config``, ``--set``, ``--print-config``,
+a ``--help`` generated from the config's schema, and one line on stderr with exit code 2 for bad input."""
+
+import argparse
+import functools
+import sys
+from collections.abc import Callable
+
+import yaml
+from pydantic import BaseModel
+
+from train.schema import ConfigError, fields_help
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line, like raywright's config errors."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: {message} (--help lists the options)\n")
+
+
+def config_parser(prog: str, description: str, schema: type[BaseModel], config_help: str) -> OneLineParser:
+    """A parser with --config, --set and --print-config whose --help lists every field of ``schema``."""
+    parser = OneLineParser(
+        prog=prog,
+        description=description,
+        epilog="settings, for --set KEY=VALUE or the --config file:\n" + fields_help(schema),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", help=config_help)
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one setting (repeatable); the value is YAML",
+    )
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    return parser
+
+
+def print_config(config: BaseModel) -> None:
+    print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+
+
+def config_errors_exit_2(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
+    """Wrap a CLI's ``main``: a ConfigError becomes ``config error: ...`` on stderr and exit code 2."""
+
+    @functools.wraps(main)
+    def wrapper(argv: list[str] | None = None) -> int:
+        try:
+            return main(argv)
+        except ConfigError as exc:
+            print(f"config error: {exc}", file=sys.stderr)
+            return 2
+
+    return wrapper
