@@ -54,7 +54,10 @@ def up(state_dir: Path = STATE_DIR) -> dict:
         f"--dashboard-agent-listen-port={_free_port()}", f"--ray-client-server-port={_free_port()}",
         f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
     ]  # fmt: skip
-    started = subprocess.run(command, env={**os.environ, "RAY_FAKE_CLUSTER": "1"}, capture_output=True, text=True)
+    try:
+        started = subprocess.run(command, env={**os.environ, "RAY_FAKE_CLUSTER": "1"}, capture_output=True, text=True)
+    except OSError as exc:
+        raise RuntimeError(f"cannot run `ray start`: {exc.strerror} (is Ray installed in this environment?)") from None
     if started.returncode:
         last = (started.stderr.strip() or started.stdout.strip() or "no output").splitlines()[-1]
         raise RuntimeError(f"`ray start` failed (exit {started.returncode}): {last}")

@@ -114,3 +114,26 @@ def test_help_documents_the_settings(cli):
     }[cli]
     for fragment in expected:
         assert fragment in text, fragment
+
+
+def test_a_failing_ray_start_is_one_line_with_its_reason(tmp_path):
+    """`cluster up --local` where `ray` cannot start: its reason on one line, exit 1, no state left behind."""
+    env = {**os.environ, "HOME": str(tmp_path), "PATH": str(tmp_path)}  # no `ray` executable on PATH
+    done = subprocess.run(
+        [sys.executable, "-m", "cluster", "up", "--local"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+        "error: cannot run `ray start`: No such file or directory (is Ray installed in this environment?)"
+    ]
+    assert not (tmp_path / ".raywright" / "local-cluster" / "state.json").exists()
+
+
+@pytest.mark.cluster
+def test_on_a_cluster_the_run_says_what_it_waits_for(ray_session, capsys):
+    from train.launch import say_what_the_cluster_lacks
+
+    say_what_the_cluster_lacks(load_config("tiny", ["scaling.resources_per_worker={accelerator: 1}"]))
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("waiting for the cluster to add nodes offering {'accelerator': 1.0} per worker")
+    say_what_the_cluster_lacks(load_config("tiny"))  # CPUs the session's head has: nothing to wait for
+    assert capsys.readouterr().err == ""

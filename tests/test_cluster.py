@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 import urllib.request
+import zipfile
 from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -212,3 +213,24 @@ def test_local_twin_launches_spot_then_on_demand_follows_and_stops_a_job_then_sc
     finally:
         local.down(tmp_path / "twin")
     assert not local._processes_of(state)
+
+
+@pytest.mark.unit
+def test_the_job_upload_leaves_secrets_and_runs_behind(tmp_path):
+    """Ray's own packaging of a working_dir, with the job CLI's excludes: only the project's code goes."""
+    from ray._private.runtime_env.packaging import create_package
+
+    from cluster.jobs import EXCLUDES
+
+    project = tmp_path / "project"
+    files = [
+        "train/loop.py", "README.md", ".env", ".env.local", "sub/.env", ".venv/bin/python", "venv/lib/x.py",
+        "deploy.pem", "tls/server.key", ".ray/auth_token", "runs/tiny/metrics.jsonl", "data/mine/manifest.json",
+    ]  # fmt: skip
+    for name in files:
+        (project / name).parent.mkdir(parents=True, exist_ok=True)
+        (project / name).write_text("x")
+    package = tmp_path / "package.zip"
+    create_package(str(project), package, include_gitignore=False, excludes=EXCLUDES)
+    uploaded = {name for name in zipfile.ZipFile(package).namelist() if not name.endswith("/")}
+    assert uploaded == {"train/loop.py", "README.md"}

@@ -8,9 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from train.config import ConfigError
 from train.data import list_source, load_manifest, load_split, prepare
 from train.loader import SampleOrder, micro_batch_samples
+from train.schema import ConfigError
 from train.tokenizer import ByteTokenizer, load_tokenizer
 
 
@@ -99,10 +99,10 @@ def test_a_directory_raywright_did_not_write_is_never_overwritten(ray_session, c
 
 
 def test_bad_sources_name_the_problem(ray_session, tmp_path):
-    with pytest.raises(FileNotFoundError, match="data.source: '/no/such/dir' does not exist"):
+    with pytest.raises(ConfigError, match="data.source: cannot read '/no/such/dir': no such file or directory"):
         list_source("/no/such/dir")
     (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
-    with pytest.raises(FileNotFoundError, match="matches no files"):
+    with pytest.raises(ConfigError, match="matches no files"):
         list_source(f"{tmp_path}/*.parquet")
     with pytest.raises(ValueError, match="data.text_column: no column 'body'"):
         prepare(str(tmp_path / "a.jsonl"), str(tmp_path / "out"), 8, text_column="body")

@@ -18,13 +18,14 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, PreT
 from serve.decoder import Decoder
 from serve.engine import Engine, GenerationParams, Sequence
 from tests.conftest import MEMORIZED_TEXT
-from train.config import ConfigError, load_config
+from train.config import load_config
 from train.data import dataset_path, load_split
 from train.ds_config import build_ds_config
 from train.export import load_exported
 from train.hf_gpt2 import from_hf_state, hf_config, load_weights, model_config_from_hf, to_hf_state
 from train.launch import run_training
 from train.model import GPT, ModelConfig
+from train.schema import ConfigError
 from train.tokenizer import EOT, load_tokenizer, train_bpe
 
 PROMPTS = ["Grüße", "3 € für", "und 🚀. Grüße aus", "Köln:"]

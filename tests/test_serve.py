@@ -25,7 +25,7 @@ from serve.__main__ import main as serve_main
 from serve.app import build_app, deployment_for
 from serve.config import serve_config_from_dict
 from tests.conftest import MEMORIZED_TEXT
-from train.config import ConfigError
+from train.schema import ConfigError
 
 pytestmark = pytest.mark.cluster
 

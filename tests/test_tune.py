@@ -15,8 +15,9 @@ import pytest
 import yaml
 from ray.util.state import list_actors
 
-from train.config import ConfigError, load_config
+from train.config import load_config
 from train.launch import run_training
+from train.schema import ConfigError
 from tune.__main__ import main as tune_main
 from tune.config import SWEEP_DIR, load_sweep_config, sweep_config_from_dict
 from tune.sweep import resume_sweep, run_sweep

@@ -4,7 +4,7 @@ import sys
 
 from train.cli import config_errors_exit_2, config_parser, print_config
 from train.config import TrainConfig, load_config, recipe_names
-from train.preflight import check_before_ray
+from train.preflight import check_before_ray, check_resume
 
 
 @config_errors_exit_2
@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
         print_config(cfg)
         return 0
     check_before_ray(cfg)
+    check_resume(cfg)
     from train.launch import run_training  # Ray: after the config is checked
 
     summary = run_training(cfg, stop_on_sigterm=True)

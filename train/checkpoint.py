@@ -71,9 +71,16 @@ def latest_complete(run_uri: str) -> dict[str, Any] | None:
 
 
 def save(engine, run_uri: str, step: int, metadata: dict[str, Any], keep_last: int, tokenizer: BPETokenizer) -> str:
-    """Save a checkpoint, with its tokenizer, from every rank (a collective call); returns its URI."""
+    """Save a checkpoint, with its tokenizer, from every rank (a collective call); returns its URI.
+
+    The step directory is written fresh (what an earlier, interrupted attempt left there is cleared
+    first) and counts only once rank 0 has written ``metadata.json`` listing every file's size.
+    """
     uri = checkpoint_uri(run_uri, step)
     tag = os.path.basename(uri)
+    if dist.get_rank() == 0 and storage.exists(uri):
+        storage.delete_dir(uri)  # shards of another world size must not be listed, or converted, as this one's
+    dist.barrier()
     if storage.is_local(run_uri):
         engine.save_checkpoint(storage.resolve(os.path.dirname(uri))[1], tag=tag, save_latest=False)
     else:  # each rank stages its own shards locally, then uploads them
@@ -85,14 +92,22 @@ def save(engine, run_uri: str, step: int, metadata: dict[str, Any], keep_last: i
         save_tokenizer(tokenizer, uri)
         files = _file_sizes(uri)
         storage.write_json(storage.join(uri, METADATA), {**metadata, "step": step, "files": files, "time": time.time()})
-        _prune(run_uri, keep_last)
+        prune(run_uri, keep_last)
     dist.barrier()
     return uri
 
 
-def _prune(run_uri: str, keep_last: int) -> None:
-    for uri in _step_dirs(run_uri)[:-keep_last]:
-        storage.delete_dir(uri)
+def prune(run_uri: str, keep_last: int) -> None:
+    """Keep the newest ``keep_last`` complete checkpoints; delete older ones and every incomplete one.
+
+    Called right after a save completes, when no other save is in flight: an incomplete directory is
+    then an interrupted attempt, never one still being written, and never counts toward ``keep_last``.
+    """
+    complete = [uri for uri in _step_dirs(run_uri) if _incompleteness(uri) is None]
+    kept = set(complete[-keep_last:])
+    for uri in _step_dirs(run_uri):
+        if uri not in kept:
+            storage.delete_dir(uri)
 
 
 def _local_dir(uri: str) -> str:
@@ -129,10 +144,16 @@ def convert_to_universal(checkpoint: dict[str, Any]) -> None:
                 storage.copy_dir(uri, source)
             output = os.path.join(scratch, UNIVERSAL)
             _run_ds_to_universal(source, output, inject_missing_state=stage < 3)
-            if storage.exists(storage.join(uri, UNIVERSAL)):
-                storage.delete_dir(storage.join(uri, UNIVERSAL))  # a conversion cut short earlier
-            storage.copy_dir(output, storage.join(uri, UNIVERSAL))
-        storage.write_json(done, {"seconds": time.time() - started})
+            target = storage.join(uri, UNIVERSAL)
+            if storage.exists(target):
+                storage.delete_dir(target)  # a conversion cut short earlier: redone, never loaded
+            if storage.is_local(uri):  # staged beside its place and renamed, so it appears whole
+                staged = f"{target}.{os.getpid()}.tmp"
+                storage.copy_dir(output, staged)
+                os.replace(storage.resolve(staged)[1], storage.resolve(target)[1])
+            else:
+                storage.copy_dir(output, target)
+        storage.write_json(done, {"seconds": time.time() - started})  # last: the conversion counts from here
         logger.info("converted %s to universal format in %.1f s", uri, time.time() - started)
     dist.barrier()
 

@@ -9,11 +9,11 @@ stream is cut into sequences of ``seq_len + 1`` tokens (inputs plus shifted targ
 ``manifest.json`` is written last: a dataset directory without it is incomplete.
 """
 
-import argparse
 import fnmatch
 import hashlib
 import json
 import os
+import sys
 import sysconfig
 import uuid
 
@@ -23,6 +23,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from train import storage
+from train.cli import OneLineParser, config_errors_exit_2
 from train.config import TrainConfig
 from train.schema import ConfigError
 from train.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer, save_tokenizer, train_bpe
@@ -41,29 +42,36 @@ def list_source(source: str) -> tuple[pafs.FileSystem, list[str], str]:
     """The filesystem, sorted file paths and kind (text, jsonl or parquet) of a source spec.
 
     A source is a file, a directory (every file below it), or a glob (``*`` crosses directories).
+    What cannot be read is a ConfigError naming data.source.
     """
+    try:
+        fs, files = _source_files(source)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"data.source: cannot read {source!r}: {str(exc).splitlines()[0]}") from None
+    if not files:
+        raise ConfigError(f"data.source: {source!r} matches no files")
+    kinds = {_kind(f) for f in files}
+    if len(kinds) > 1:
+        raise ConfigError(f"data.source: {source!r} mixes file kinds {sorted(kinds)}; give one kind")
+    return fs, sorted(files), kinds.pop()
+
+
+def _source_files(source: str) -> tuple[pafs.FileSystem, list[str]]:
     fs, path = storage.resolve(source)
     is_glob = any(ch in path for ch in "*?[")
     base = path.split("*")[0].split("?")[0].split("[")[0].rsplit("/", 1)[0] if is_glob else path
     info = fs.get_file_info(base)
     if info.type == pafs.FileType.NotFound:
-        raise FileNotFoundError(f"data.source: {source!r} does not exist")
+        raise FileNotFoundError("no such file or directory")
     if info.type == pafs.FileType.File:
-        files = [base]
-    else:
-        infos = fs.get_file_info(pafs.FileSelector(base, recursive=True))
-        files = [i.path for i in infos if i.type == pafs.FileType.File]
-        if is_glob:
-            pattern = path.replace("**/", "*")
-            files = [f for f in files if fnmatch.fnmatch(f, pattern)]
-        # Installed packages sit under the stdlib directory but are not the stdlib.
-        files = [f for f in files if "site-packages" not in f and "__pycache__" not in f]
-    if not files:
-        raise FileNotFoundError(f"data.source: {source!r} matches no files")
-    kinds = {_kind(f) for f in files}
-    if len(kinds) > 1:
-        raise ValueError(f"data.source: {source!r} mixes file kinds {sorted(kinds)}; give one kind")
-    return fs, sorted(files), kinds.pop()
+        return fs, [base]
+    infos = fs.get_file_info(pafs.FileSelector(base, recursive=True))
+    files = [i.path for i in infos if i.type == pafs.FileType.File]
+    if is_glob:
+        pattern = path.replace("**/", "*")
+        files = [f for f in files if fnmatch.fnmatch(f, pattern)]
+    # Installed packages sit under the stdlib directory but are not the stdlib.
+    return fs, [f for f in files if "site-packages" not in f and "__pycache__" not in f]
 
 
 def _kind(path: str) -> str:
@@ -265,9 +273,10 @@ def load_split(path: str, split: str) -> np.ndarray:
     return column.flatten().to_numpy().reshape(-1, manifest["seq_len"] + 1)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m train.data", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+@config_errors_exit_2
+def main(argv: list[str] | None = None) -> int:
+    parser = OneLineParser(prog="python -m train.data", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     prep = sub.add_parser("prepare", help="tokenize a corpus into Parquet shards")
     prep.add_argument("--source", default="", help="file, directory or glob; local or URI (default: Python stdlib)")
     prep.add_argument("--out", required=True, help="output directory (local or URI)")
@@ -277,6 +286,7 @@ def main(argv: list[str] | None = None) -> None:
     prep.add_argument("--tokenizer", default="byte", help="byte, bpe (trained on the source), or a tokenizer path")
     prep.add_argument("--vocab-size", type=int, default=4096, help="vocabulary of a trained BPE")
     args = parser.parse_args(argv)
+    refuse_foreign(args.out)  # before Ray starts
     import ray
 
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
@@ -288,7 +298,8 @@ def main(argv: list[str] | None = None) -> None:
         f"sequences of {args.seq_len + 1} tokens from {manifest['documents']} documents into {args.out} "
         f"({manifest['tokens_per_byte']:.3f} tokens per byte)"
     )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

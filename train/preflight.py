@@ -28,12 +28,14 @@ def cluster_address(cfg: TrainConfig) -> str:
 
 
 def check_before_ray(cfg: TrainConfig) -> None:
-    """Raise ConfigError for the first setting that would fail the run once Ray has started it."""
+    """Raise ConfigError for the first setting that would fail training once Ray has started it.
+
+    A run of ``run.name`` also calls ``check_resume`` (a sweep's trials are runs of their own names).
+    """
     check_gpus(cfg)
     check_deepspeed_file(cfg)
     check_storage(cfg.run.storage_path, "run.storage_path")
     check_dataset(cfg)
-    check_resume(cfg)
 
 
 def check_deepspeed_file(cfg: TrainConfig) -> None:
@@ -86,10 +88,7 @@ def check_dataset(cfg: TrainConfig) -> None:
         check_dataset_matches(cfg, path, manifest)
         return
     refuse_foreign(path)
-    try:
-        list_source(cfg.data.source or default_source())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(str(exc) if str(exc).startswith("data.source") else f"data.source: {exc}") from None
+    list_source(cfg.data.source or default_source())
 
 
 def check_dataset_matches(cfg: TrainConfig, path: str, manifest: dict) -> None:

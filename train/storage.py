@@ -40,14 +40,20 @@ def list_dir(uri: str) -> list[str]:
 
 
 def write_bytes(uri: str, data: bytes) -> None:
-    """Write a whole file. Locally via a temporary name and a rename, so readers never see half of it."""
+    """Write a whole file. Locally to a temporary name, synced to disk, then renamed: readers and a crash
+    never leave half of it. An object store's PUT is whole by itself."""
     fs, path = resolve(uri)
     fs.create_dir(os.path.dirname(path), recursive=True)
-    staging = path + ".tmp" if isinstance(fs, pafs.LocalFileSystem) else path
-    with fs.open_output_stream(staging) as f:
+    if not isinstance(fs, pafs.LocalFileSystem):
+        with fs.open_output_stream(path) as f:
+            f.write(data)
+        return
+    staging = f"{path}.{os.getpid()}.tmp"
+    with open(staging, "wb") as f:
         f.write(data)
-    if staging != path:
-        fs.move(staging, path)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(staging, path)
 
 
 def read_bytes(uri: str) -> bytes:

@@ -10,7 +10,7 @@ up, Optuna's state and finished trials included), each trial's training run unde
 """
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import optuna
@@ -25,7 +25,7 @@ from ray.tune.search.optuna import OptunaSearch
 from train import storage
 from train.launch import ensure_dataset, init_ray, resources_offered
 from train.preflight import check_before_ray
-from train.schema import ConfigError
+from train.schema import ConfigError, replace
 from tune.config import SweepConfig, sweep_config_from_dict, tune_space
 from tune.plots import save_plots
 from tune.trial import run_trial, sweep_dir, trial_config
