@@ -9,12 +9,14 @@ stream is cut into sequences of ``seq_len + 1`` tokens (inputs plus shifted targ
 ``manifest.json`` is written last: a dataset directory without it is incomplete.
 """
 
+import fcntl
 import fnmatch
 import hashlib
 import json
 import os
 import sys
 import sysconfig
+import tempfile
 import uuid
 
 import numpy as np
@@ -26,6 +28,7 @@ from train import storage
 from train.cli import OneLineParser, config_errors_exit_2
 from train.config import TrainConfig
 from train.schema import ConfigError
+from train.split_rows import SplitRows
 from train.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer, save_tokenizer, train_bpe
 
 MANIFEST = "manifest.json"
@@ -260,17 +263,38 @@ def manifest_sha256(manifest: dict) -> str:
     return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
 
 
-def load_split(path: str, split: str) -> np.ndarray:
-    """All sequences of a split as a (sequences, seq_len + 1) uint16 array, in manifest order."""
+def load_split(path: str, split: str) -> SplitRows:
+    """The sequences of a split, indexed like a (sequences, seq_len + 1) uint16 array, in manifest order.
+
+    Rows are read from a node-local copy of the split (built once per node, a batch at a time), so a
+    worker holds in memory only the rows of its step, however large the dataset.
+    """
     manifest = load_manifest(path)
     if manifest is None:
         raise FileNotFoundError(f"data.path: {path!r} has no {MANIFEST}; run `python -m train.data prepare`")
-    fs, root = storage.resolve(path)
-    tables = [
-        pq.read_table(f"{root}/{shard}", filesystem=fs, columns=["tokens"]) for shard in manifest[split]["shards"]
-    ]
-    column = pa.concat_tables(tables).column("tokens").combine_chunks()
-    return column.flatten().to_numpy().reshape(-1, manifest["seq_len"] + 1)
+    return SplitRows(_node_local_split(path, split, manifest), manifest["seq_len"] + 1)
+
+
+def _node_local_split(path: str, split: str, manifest: dict) -> str:
+    """The split's tokens as one flat uint16 file on this node, keyed by the dataset's location and identity."""
+    key = hashlib.sha256(f"{storage.absolute(path)}\n{manifest_sha256(manifest)}".encode()).hexdigest()[:16]
+    cache = os.path.join(tempfile.gettempdir(), "raywright-data", key)
+    local = os.path.join(cache, f"{split}.u16")
+    os.makedirs(cache, exist_ok=True)
+    with open(os.path.join(cache, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the workers of a node build it once, the others wait for it
+        if not os.path.exists(local):
+            fs, root = storage.resolve(path)
+            staging = f"{local}.{os.getpid()}.tmp"
+            with open(staging, "wb") as out:
+                for shard in manifest[split]["shards"]:
+                    with fs.open_input_file(f"{root}/{shard}") as source:
+                        for batch in pq.ParquetFile(source).iter_batches(batch_size=8192, columns=["tokens"]):
+                            out.write(
+                                batch.column("tokens").flatten().to_numpy().astype(np.uint16, copy=False).tobytes()
+                            )
+            os.replace(staging, local)  # complete, or not there
+    return local
 
 
 @config_errors_exit_2

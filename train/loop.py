@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 
 from train import checkpoint
-from train.config import TrainConfig, config_from_dict
+from train.config import config_from_dict
 from train.data import load_split
+from train.decisions import Clock, Notice, StepPolicy, rank0_clock
 from train.ds_config import build_ds_config
 from train.export import export_model, export_uri
 from train.hf_gpt2 import load_weights
@@ -75,31 +76,6 @@ def _report(metrics: dict[str, Any], max_steps: int, report: Callable[[dict], No
     if dist.get_rank() == 0:
         print(format_progress(metrics, max_steps), flush=True)
     report(metrics)
-
-
-def _rank0_says(flag: bool, device: torch.device) -> bool:
-    """Rank 0's ``flag`` on every rank, so that clock-based decisions lead all ranks into the same collective."""
-    value = torch.tensor([float(flag)], device=device)
-    dist.broadcast(value, src=0)
-    return bool(value.item())
-
-
-def _checkpoint_reason(cfg: TrainConfig, step: int, last_save: float, urgent: str, device: torch.device) -> str:
-    """Why to checkpoint after ``step`` ("" for no checkpoint); the same answer on every rank.
-
-    ``urgent`` is a reason decided by the caller ("preemption", "deadline") that overrides the schedule.
-    """
-    if urgent:
-        return urgent
-    if step == cfg.optim.max_steps:
-        return "final"
-    if cfg.checkpoint.every_steps > 0 and step % cfg.checkpoint.every_steps == 0:
-        return "steps"
-    if cfg.checkpoint.every_minutes > 0 and _rank0_says(
-        time.time() - last_save >= 60 * cfg.checkpoint.every_minutes, device
-    ):
-        return "minutes"
-    return ""
 
 
 def _log_samples(path: str, step: int, my_rows: np.ndarray, my_loss: float, device: torch.device) -> None:
@@ -182,12 +158,11 @@ def train_loop(
     }
     sample_log = os.path.join(args["local_run_dir"], "samples.jsonl") if cfg.run.sample_log else None
     first_step = step + 1
-    preemption_seen = False
+    policy = StepPolicy(cfg)
     preemption_check_every = 1  # steps; set from the measured step time at each loss report
     steps_to_preemption_check = 1
     last_save = time.time()
     save_seconds = 0.0
-    deadline = None  # of a pre-emption notice: a last checkpoint is due shortly before it
     window_loss, window_steps, window_time = 0.0, 0, 0.0  # since the last loss report
     while step < optim.max_steps:
         step_start = time.time()
@@ -242,28 +217,23 @@ def train_loop(
                 flush=True,
             )
             metrics.update({f"resize_{key}": value for key, value in resize.items()})
-        if step % cfg.run.eval_every == 0 or step == optim.max_steps:
+        # Ask Ray about pre-emption every few steps (a round trip; the same steps on every rank, which
+        # its agreement across workers needs), then decide this step's evaluation and checkpoint.
+        steps_to_preemption_check -= 1
+        notice = None
+        if not policy.notice_seen and steps_to_preemption_check <= 0:
+            steps_to_preemption_check = preemption_check_every
+            info = preemption_info()
+            if info is not None:
+                notice = Notice(deadline=info.deadline_ms / 1000 if info.deadline_ms else None)
+        clock = None
+        if policy.needs_clock():
+            clock = rank0_clock(Clock(time.time(), last_save, step_seconds, save_seconds), engine.device)
+        decision = policy.decide(step, notice, clock)
+        if decision.evaluate:
             val_loss = evaluate(engine, val_rows, optim.micro_batch_size)
             metrics.update(step=step, **_val_metrics(val_loss, args["tokens_per_byte"]))
-
-        # A draining node (spot pre-emption) gets a just-in-time checkpoint at the notice, and a last
-        # one shortly before the deadline, so that the steps trained while waiting are not redone.
-        # A countdown, not step % interval: the interval moves with the measured step time.
-        steps_to_preemption_check -= 1
-        check = not preemption_seen and steps_to_preemption_check <= 0
-        if check:
-            steps_to_preemption_check = preemption_check_every
-        notice = preemption_info() if check else None
-        jit = notice is not None
-        if jit:
-            preemption_seen = True
-            deadline = notice.deadline_ms / 1000 if notice.deadline_ms else None
-        margin = 2 * save_seconds + 3 * step_seconds + 1.0
-        last_call = deadline is not None and _rank0_says(time.time() >= deadline - margin, engine.device)
-        if last_call:
-            deadline = None
-        urgent = "preemption" if jit else "deadline" if last_call else ""
-        reason = _checkpoint_reason(cfg, step, last_save, urgent, engine.device)
+        reason = decision.checkpoint
         if reason:
             save_start = time.time()
             uri = checkpoint.save(
@@ -279,7 +249,7 @@ def train_loop(
             metrics.update(step=step, checkpoint=uri)
             if timeline:
                 timeline.checkpoint_saved.remote(step, reason)
-                if jit:
+                if reason == "preemption":
                     timeline.preemption_notice.remote()
         if metrics:
             _report(metrics, optim.max_steps, report)

@@ -1,0 +1,73 @@
+"""The per-step decisions of the training loop: plain policies, and the same answer on every rank."""
+
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from train.config import load_config
+from train.decisions import Clock, Notice, StepPolicy, rank0_clock
+
+pytestmark = pytest.mark.unit
+
+
+def policy(*overrides: str) -> StepPolicy:
+    return StepPolicy(load_config("tiny", ["optim.max_steps=100", "run.eval_every=50", *overrides]))
+
+
+def test_the_schedule_checkpoints_and_evaluates_on_its_steps():
+    steps = policy("checkpoint.every_steps=30")
+    decisions = {step: steps.decide(step, None, None) for step in range(1, 101)}
+    assert [s for s, d in decisions.items() if d.checkpoint] == [30, 60, 90, 100]
+    assert decisions[100].checkpoint == "final" and decisions[30].checkpoint == "steps"
+    assert [s for s, d in decisions.items() if d.evaluate] == [50, 100]
+    assert not steps.needs_clock()  # no clock, no collective
+
+
+def test_a_notice_gets_a_checkpoint_at_once_and_a_last_one_before_its_deadline():
+    steps = policy("checkpoint.every_steps=0")
+    deadline = 1000.0
+    clock = Clock(now=900.0, last_save=0.0, step_seconds=2.0, save_seconds=10.0)  # margin: 20 + 6 + 1 s
+    assert steps.decide(7, Notice(deadline), None).checkpoint == "preemption"
+    assert steps.needs_clock()
+    assert steps.decide(8, Notice(deadline), clock).checkpoint == ""  # the same notice again: nothing new
+    assert steps.decide(9, None, Clock(972.0, 0.0, 2.0, 10.0)).checkpoint == ""  # 28 s left > 27 s margin
+    assert steps.decide(10, None, Clock(973.5, 0.0, 2.0, 10.0)).checkpoint == "deadline"
+    assert steps.decide(11, None, Clock(990.0, 0.0, 2.0, 10.0)).checkpoint == ""  # once only
+    assert not steps.needs_clock()
+
+
+def test_a_notice_without_deadline_gets_one_checkpoint():
+    steps = policy("checkpoint.every_steps=0")
+    assert steps.decide(3, Notice(None), None).checkpoint == "preemption"
+    assert not steps.needs_clock() and steps.decide(4, None, None).checkpoint == ""
+
+
+def test_a_time_based_checkpoint_follows_rank_0s_clock():
+    steps = policy("checkpoint.every_steps=0", "checkpoint.every_minutes=1")
+    assert steps.needs_clock()
+    assert steps.decide(5, None, Clock(now=159.0, last_save=100.0, step_seconds=1, save_seconds=1)).checkpoint == ""
+    assert steps.decide(6, None, Clock(160.0, 100.0, 1, 1)).checkpoint == "minutes"
+
+
+def _decide_on_rank(rank: int, port: int, results) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    steps = policy("checkpoint.every_steps=0", "checkpoint.every_minutes=1")
+    # By rank 1's own clock its last save ended 100 s ago and a time-based checkpoint would be due;
+    # by rank 0's, 10 s ago. Deciding on their own clocks, rank 1 would enter a save that rank 0 never joins.
+    now = time.time()
+    mine = Clock(now=now, last_save=now - (100.0 if rank else 10.0), step_seconds=0.1, save_seconds=0.5)
+    results[rank] = steps.decide(1, None, rank0_clock(mine, torch.device("cpu"))).checkpoint
+    dist.destroy_process_group()
+
+
+def test_ranks_with_different_clocks_decide_alike():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_decide_on_rank, args=(port, results), nprocs=2)
+    assert dict(results) == {0: "", 1: ""}
