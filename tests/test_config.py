@@ -102,3 +102,11 @@ def test_raywright_env_defaults_yield_to_the_users(monkeypatch):
     set_ray_train_env(load_config("tiny"))
     assert os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] == "99"  # the user's
     assert os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "0.5"  # raywright's default
+
+
+def test_raywright_storage_is_the_default_storage_path(monkeypatch):
+    monkeypatch.setenv("RAYWRIGHT_STORAGE", "s3://bucket/raywright")
+    assert load_config("tiny").run.storage_path == "s3://bucket/raywright"
+    assert load_config("tiny", ["run.storage_path=elsewhere"]).run.storage_path == "elsewhere"
+    monkeypatch.delenv("RAYWRIGHT_STORAGE")
+    assert load_config("tiny").run.storage_path == "runs"

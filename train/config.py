@@ -5,6 +5,7 @@ Every section is a strict pydantic model (train/schema.py) whose field docstring
 is allowed, before any Ray work starts.
 """
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -146,8 +147,9 @@ class CheckpointConfig(Section):
 class RunConfig(Section):
     name: Name = "tiny"
     """The run's directory name; re-running with the same name resumes the run."""
-    storage_path: str = "runs"
-    """Local directory or URI (s3://, gs://) that holds runs and prepared datasets."""
+    storage_path: str = Field(default_factory=lambda: os.environ.get("RAYWRIGHT_STORAGE") or "runs")
+    """Local directory or URI (s3://, gs://) that holds runs and prepared datasets; by default
+    $RAYWRIGHT_STORAGE (cluster.yaml sets it on every node), else ./runs."""
     seed: int = 0
     """Seeds the model's initialization and the data order."""
     log_every: int = Field(10, ge=1)
