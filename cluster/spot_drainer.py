@@ -2,14 +2,14 @@
 
     python -m cluster.spot_drainer [--imds-url http://169.254.169.254] [--poll-s 1]
 
-cluster.yaml starts it on every worker. It asks the instance metadata service (IMDSv2: a session
-token first, then every read with it) whether the instance is spot, and exits at once if not.
-Then it polls ``spot/instance-action`` (the two-minute interruption notice, with its time) and
-``events/recommendations/rebalance`` (an earlier warning that the instance is at elevated risk)
-and, on either, drains its own Ray node with reason PREEMPTION and a deadline: the notice's time,
-or ``--rebalance-deadline-s`` after a rebalance recommendation. Ray Train then reports the
-pre-emption to the workers, which take their just-in-time checkpoint; Ray schedules nothing new
-on the node.
+cluster.yaml starts it on every worker (and restarts it if it dies). It asks the instance metadata
+service (IMDSv2: a session token first, then every read with it) whether the instance is spot,
+retrying with backoff while the service cannot be reached, and exits if not. Then it polls
+``spot/instance-action`` (the two-minute interruption notice, with its time) and drains its own Ray
+node with reason PREEMPTION and the notice's deadline: Ray Train reports the pre-emption to the
+workers, which take their just-in-time checkpoint, and Ray schedules nothing new on the node.
+An earlier ``events/recommendations/rebalance`` (the instance is at elevated risk) asks every training
+run for an early checkpoint instead, and the drainer keeps watching for the notice.
 """
 
 import argparse
@@ -21,6 +21,7 @@ import urllib.request
 from datetime import datetime
 
 from cluster.drain import drain_node
+from train.early_checkpoint import request_checkpoint
 
 log = logging.getLogger("raywright.spot_drainer")
 TOKEN_TTL_S = 21600
@@ -65,33 +66,52 @@ class Imds:
         return None
 
 
-def notice_deadline(imds: Imds, rebalance_deadline_s: float) -> tuple[float, str] | None:
-    """(deadline as a UNIX time, what was noticed) if the instance is about to go, else None."""
-    action = imds.get("spot/instance-action")
-    if action:
-        notice = json.loads(action)
-        deadline = datetime.fromisoformat(notice["time"].replace("Z", "+00:00")).timestamp()
-        return deadline, f"spot interruption notice: {notice['action']} at {notice['time']}"
-    rebalance = imds.get("events/recommendations/rebalance")
-    if rebalance:
-        return time.time() + rebalance_deadline_s, f"rebalance recommendation at {json.loads(rebalance)['noticeTime']}"
-    return None
-
-
-def watch(imds: Imds, node_id: str, poll_s: float, rebalance_deadline_s: float, stop=lambda: False) -> bool:
-    """Poll until a notice, then drain ``node_id``; True if it drained (False if ``stop()`` said so first)."""
+def wait_for_metadata(imds: Imds, stop=lambda: False, first_wait_s: float = 1.0, max_wait_s: float = 30.0) -> str:
+    """The instance's life cycle (spot, on-demand), asked until the metadata service answers ("" if stopped)."""
+    wait = first_wait_s
     while not stop():
         try:
-            found = notice_deadline(imds, rebalance_deadline_s)
+            return imds.get("instance-life-cycle") or ""
+        except (urllib.error.URLError, OSError) as exc:
+            log.warning("instance metadata unreachable (%s); retrying in %.0f s", exc, wait)
+            time.sleep(wait)
+            wait = min(2 * wait, max_wait_s)
+    return ""
+
+
+def interruption_deadline(imds: Imds) -> tuple[float, str] | None:
+    """(deadline as a UNIX time, the notice) if the instance is about to be interrupted, else None."""
+    action = imds.get("spot/instance-action")
+    if not action:
+        return None
+    notice = json.loads(action)
+    deadline = datetime.fromisoformat(notice["time"].replace("Z", "+00:00")).timestamp()
+    return deadline, f"spot interruption notice: {notice['action']} at {notice['time']}"
+
+
+def watch(imds: Imds, node_id: str, poll_s: float, stop=lambda: False) -> bool:
+    """Poll until the interruption notice, then drain ``node_id``; True if it drained (False if stopped).
+
+    Each new rebalance recommendation asks the cluster's training runs for an early checkpoint.
+    """
+    rebalance_seen = None
+    while not stop():
+        try:
+            found = interruption_deadline(imds)
+            rebalance = imds.get("events/recommendations/rebalance")
         except (urllib.error.URLError, OSError, ValueError, KeyError) as exc:
             log.warning("instance metadata unreadable (%s); retrying", exc)
-            found = None
+            found = rebalance = None
         if found:
             deadline, what = found
             remaining = max(1.0, deadline - time.time())
             log.warning("%s: draining Ray node %s, deadline in %.0f s", what, node_id, remaining)
             drain_node(node_id, remaining, message=what)
             return True
+        if rebalance and rebalance != rebalance_seen:
+            rebalance_seen = rebalance
+            log.warning("rebalance recommendation (%s): asking training runs for an early checkpoint", rebalance)
+            request_checkpoint()
         time.sleep(poll_s)
     return False
 
@@ -100,12 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cluster.spot_drainer", description=__doc__.split("\n")[0])
     parser.add_argument("--imds-url", default="http://169.254.169.254")
     parser.add_argument("--poll-s", type=float, default=1.0)
-    parser.add_argument("--rebalance-deadline-s", type=float, default=120.0)
     parser.add_argument("--address", default="auto", help="the local Ray node to drain is this machine's")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     imds = Imds(args.imds_url)
-    lifecycle = imds.get("instance-life-cycle")
+    lifecycle = wait_for_metadata(imds)
     if lifecycle != "spot":
         log.info("instance life cycle is %r, not spot: nothing to watch", lifecycle)
         return 0
@@ -115,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(address=args.address, log_to_driver=False)
     node_id = ray.get_runtime_context().get_node_id()
     log.info("watching for spot interruption notices for Ray node %s", node_id)
-    watch(imds, node_id, args.poll_s, args.rebalance_deadline_s)
+    watch(imds, node_id, args.poll_s)
     return 0
 
 

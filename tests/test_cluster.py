@@ -3,6 +3,7 @@ and the local twin driven through the job CLI."""
 
 import copy
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +19,7 @@ import pytest
 import ray
 import yaml
 from moto import mock_aws
+from ray._common.test_utils import wait_for_condition
 from ray.autoscaler._private.aws.config import bootstrap_aws
 from ray.autoscaler._private.aws.node_provider import AWSNodeProvider
 from ray.autoscaler._private.util import prepare_config, validate_config
@@ -26,7 +28,8 @@ from ray.autoscaler.tags import NODE_KIND_WORKER, TAG_RAY_NODE_KIND, TAG_RAY_NOD
 from cluster import local
 from cluster.__main__ import main as cluster_main
 from cluster.jobs import auth_headers, connect
-from cluster.spot_drainer import Imds, watch
+from cluster.spot_drainer import Imds, wait_for_metadata, watch
+from train.early_checkpoint import latest_checkpoint_request
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER_TYPES = {"gpu.ondemand": None, "gpu.spot": "spot", "cpu.spot": "spot"}  # type -> EC2 lifecycle
@@ -101,6 +104,7 @@ class FakeImds(BaseHTTPRequestHandler):
 
     token = "fake-session-token"
     notice: dict | None = None
+    rebalance: dict | None = None
 
     def do_PUT(self):
         assert self.path == "/latest/api/token" and self.headers["X-aws-ec2-metadata-token-ttl-seconds"]
@@ -109,10 +113,14 @@ class FakeImds(BaseHTTPRequestHandler):
     def do_GET(self):
         if self.headers.get("X-aws-ec2-metadata-token") != self.token:
             return self._reply(401, "")
-        if self.path == "/latest/meta-data/instance-life-cycle":
-            return self._reply(200, "spot")
-        if self.path == "/latest/meta-data/spot/instance-action" and FakeImds.notice:
-            return self._reply(200, json.dumps(FakeImds.notice))
+        answers = {
+            "/latest/meta-data/instance-life-cycle": "spot",
+            "/latest/meta-data/spot/instance-action": FakeImds.notice and json.dumps(FakeImds.notice),
+            "/latest/meta-data/events/recommendations/rebalance": FakeImds.rebalance and json.dumps(FakeImds.rebalance),
+        }
+        answer = answers.get(self.path)
+        if answer:
+            return self._reply(200, answer)
         self._reply(404, "")
 
     def _reply(self, status: int, body: str) -> None:
@@ -124,22 +132,35 @@ class FakeImds(BaseHTTPRequestHandler):
         pass
 
 
-def test_spot_notice_drains_the_node_with_the_notices_deadline(ray_session):
-    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeImds)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+def test_the_drainer_waits_out_an_unreachable_metadata_service_checkpoints_on_rebalance_and_drains_on_notice(
+    ray_session,
+):
+    with socket.socket() as sock:  # a port nothing listens on yet: the metadata service is unreachable
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     node = ray_session.add_node(num_cpus=1, resources={"spot": 1})
     ray_session.wait_for_nodes()
     # Work on the node, standing in for a training worker: Ray ends an idle node at once when drained.
     worker = SpotWorker.remote()
     ray.get(worker.node_id.remote())
-    imds = Imds(f"http://127.0.0.1:{server.server_address[1]}")
-    assert imds.get("instance-life-cycle") == "spot"
-    drained = []
-    watcher = threading.Thread(target=lambda: drained.append(watch(imds, node.node_id, 0.1, 120.0)))
+    imds = Imds(f"http://127.0.0.1:{port}", timeout_s=0.5)
+    drained, started = [], time.time()
+
+    def drainer():
+        assert wait_for_metadata(imds, first_wait_s=0.2, max_wait_s=0.5) == "spot"
+        drained.append(watch(imds, node.node_id, 0.1))
+
+    watcher = threading.Thread(target=drainer)
     watcher.start()
+    server = None
     try:
-        time.sleep(1.0)
-        assert watcher.is_alive() and not drained  # no notice, no drain
+        time.sleep(1.5)
+        assert watcher.is_alive() and not drained  # still waiting for the metadata service, not dead
+        server = ThreadingHTTPServer(("127.0.0.1", port), FakeImds)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        FakeImds.rebalance = {"noticeTime": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
+        wait_for_condition(lambda: latest_checkpoint_request() > started, timeout=20)
+        assert watcher.is_alive() and node.node_id not in ray._private.state.state.get_draining_nodes()
         deadline = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=60)
         FakeImds.notice = {"action": "terminate", "time": deadline.strftime("%Y-%m-%dT%H:%M:%SZ")}
         watcher.join(timeout=30)
@@ -147,8 +168,9 @@ def test_spot_notice_drains_the_node_with_the_notices_deadline(ray_session):
         draining = ray._private.state.state.get_draining_nodes()
         assert abs(draining[node.node_id] / 1000 - deadline.timestamp()) < 2
     finally:
-        FakeImds.notice = None
-        server.shutdown()
+        FakeImds.notice = FakeImds.rebalance = None
+        if server:
+            server.shutdown()
         ray.kill(worker)
         ray_session.remove_node(node)
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from train.config import load_config
-from train.decisions import Clock, Notice, StepPolicy, rank0_clock
+from train.decisions import Notice, Rank0View, StepPolicy, share_rank0_view
 
 pytestmark = pytest.mark.unit
 
@@ -24,33 +24,41 @@ def test_the_schedule_checkpoints_and_evaluates_on_its_steps():
     assert [s for s, d in decisions.items() if d.checkpoint] == [30, 60, 90, 100]
     assert decisions[100].checkpoint == "final" and decisions[30].checkpoint == "steps"
     assert [s for s, d in decisions.items() if d.evaluate] == [50, 100]
-    assert not steps.needs_clock()  # no clock, no collective
+    assert not steps.needs_view()  # no clock, no collective
 
 
 def test_a_notice_gets_a_checkpoint_at_once_and_a_last_one_before_its_deadline():
     steps = policy("checkpoint.every_steps=0")
     deadline = 1000.0
-    clock = Clock(now=900.0, last_save=0.0, step_seconds=2.0, save_seconds=10.0)  # margin: 20 + 6 + 1 s
+    clock = Rank0View(now=900.0, last_save=0.0, step_seconds=2.0, save_seconds=10.0)  # margin: 20 + 6 + 1 s
     assert steps.decide(7, Notice(deadline), None).checkpoint == "preemption"
-    assert steps.needs_clock()
+    assert steps.needs_view()
     assert steps.decide(8, Notice(deadline), clock).checkpoint == ""  # the same notice again: nothing new
-    assert steps.decide(9, None, Clock(972.0, 0.0, 2.0, 10.0)).checkpoint == ""  # 28 s left > 27 s margin
-    assert steps.decide(10, None, Clock(973.5, 0.0, 2.0, 10.0)).checkpoint == "deadline"
-    assert steps.decide(11, None, Clock(990.0, 0.0, 2.0, 10.0)).checkpoint == ""  # once only
-    assert not steps.needs_clock()
+    assert steps.decide(9, None, Rank0View(972.0, 0.0, 2.0, 10.0)).checkpoint == ""  # 28 s left > 27 s margin
+    assert steps.decide(10, None, Rank0View(973.5, 0.0, 2.0, 10.0)).checkpoint == "deadline"
+    assert steps.decide(11, None, Rank0View(990.0, 0.0, 2.0, 10.0)).checkpoint == ""  # once only
+    assert not steps.needs_view()
 
 
 def test_a_notice_without_deadline_gets_one_checkpoint():
     steps = policy("checkpoint.every_steps=0")
     assert steps.decide(3, Notice(None), None).checkpoint == "preemption"
-    assert not steps.needs_clock() and steps.decide(4, None, None).checkpoint == ""
+    assert not steps.needs_view() and steps.decide(4, None, None).checkpoint == ""
 
 
 def test_a_time_based_checkpoint_follows_rank_0s_clock():
     steps = policy("checkpoint.every_steps=0", "checkpoint.every_minutes=1")
-    assert steps.needs_clock()
-    assert steps.decide(5, None, Clock(now=159.0, last_save=100.0, step_seconds=1, save_seconds=1)).checkpoint == ""
-    assert steps.decide(6, None, Clock(160.0, 100.0, 1, 1)).checkpoint == "minutes"
+    assert steps.needs_view()
+    assert steps.decide(5, None, Rank0View(now=159.0, last_save=100.0, step_seconds=1, save_seconds=1)).checkpoint == ""
+    assert steps.decide(6, None, Rank0View(160.0, 100.0, 1, 1)).checkpoint == "minutes"
+
+
+def test_an_early_checkpoint_request_is_answered_by_the_next_checkpoint():
+    steps = policy("checkpoint.every_steps=0")
+    assert steps.decide(3, None, Rank0View(200.0, 100.0, 1, 1, checkpoint_requested=150.0)).checkpoint == "requested"
+    # Saved at 205: the same request is answered; an older one (before the run's start) never counts.
+    assert steps.decide(4, None, Rank0View(210.0, 205.0, 1, 1, checkpoint_requested=150.0)).checkpoint == ""
+    assert policy().decide(1, None, Rank0View(10.0, 5.0, 1, 1, checkpoint_requested=4.0)).checkpoint == ""
 
 
 def _decide_on_rank(rank: int, port: int, results) -> None:
@@ -59,8 +67,8 @@ def _decide_on_rank(rank: int, port: int, results) -> None:
     # By rank 1's own clock its last save ended 100 s ago and a time-based checkpoint would be due;
     # by rank 0's, 10 s ago. Deciding on their own clocks, rank 1 would enter a save that rank 0 never joins.
     now = time.time()
-    mine = Clock(now=now, last_save=now - (100.0 if rank else 10.0), step_seconds=0.1, save_seconds=0.5)
-    results[rank] = steps.decide(1, None, rank0_clock(mine, torch.device("cpu"))).checkpoint
+    mine = Rank0View(now=now, last_save=now - (100.0 if rank else 10.0), step_seconds=0.1, save_seconds=0.5)
+    results[rank] = steps.decide(1, None, share_rank0_view(mine, torch.device("cpu"))).checkpoint
     dist.destroy_process_group()
 
 

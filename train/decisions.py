@@ -3,9 +3,9 @@
 A decision that leads ranks into collectives must be the same on every rank, or they wait in different
 collectives until the timeout. Step counts are the same everywhere, and Ray Train's
 ``get_preemption_info`` agrees one value across the workers (every worker calls it at the same steps);
-only clocks differ. So rank 0's clock and timings are broadcast, in one collective, on the steps where a
-clock can decide something (time-based checkpoints, a pre-emption deadline), and ``StepPolicy`` decides
-from inputs that are identical on every rank.
+only clocks differ, and what rank 0 alone reads (an early-checkpoint request). So rank 0's view is
+broadcast, in one collective, on the steps where it can decide something (pre-emption polls, time-based
+checkpoints, a pre-emption deadline), and ``StepPolicy`` decides from inputs identical on every rank.
 """
 
 from dataclasses import dataclass
@@ -17,21 +17,22 @@ from train.config import TrainConfig
 
 
 @dataclass(frozen=True)
-class Clock:
-    """Rank 0's view of time (seconds), the same on every rank after ``rank0_clock``."""
+class Rank0View:
+    """What rank 0 saw (times in seconds), the same on every rank after ``share_rank0_view``."""
 
     now: float
     last_save: float  # when the last checkpoint (or the run) ended
     step_seconds: float  # of the latest step
     save_seconds: float  # of the latest checkpoint
+    checkpoint_requested: float = 0.0  # time of the latest early-checkpoint request (cluster/spot_drainer.py)
 
 
-def rank0_clock(mine: Clock, device: torch.device) -> Clock:
-    """Rank 0's clock on every rank (a collective)."""
-    values = torch.tensor([mine.now, mine.last_save, mine.step_seconds, mine.save_seconds], dtype=torch.float64)
-    values = values.to(device)
+def share_rank0_view(mine: Rank0View, device: torch.device) -> Rank0View:
+    """Rank 0's view on every rank (a collective)."""
+    fields = [mine.now, mine.last_save, mine.step_seconds, mine.save_seconds, mine.checkpoint_requested]
+    values = torch.tensor(fields, dtype=torch.float64).to(device)
     dist.broadcast(values, src=0)
-    return Clock(*values.tolist())
+    return Rank0View(*values.tolist())
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class Notice:
 @dataclass(frozen=True)
 class Decision:
     evaluate: bool
-    checkpoint: str  # why to checkpoint after this step: final, steps, minutes, preemption, deadline; "" = none
+    checkpoint: str  # why: final, steps, minutes, preemption, deadline, requested; "" = no checkpoint
 
 
 class StepPolicy:
@@ -62,28 +63,30 @@ class StepPolicy:
         self.notice_seen = False
         self.deadline: float | None = None  # of the pre-emption notice, until the last checkpoint before it
 
-    def needs_clock(self) -> bool:
-        """Whether this step's decision may depend on the time (then pass ``rank0_clock`` to ``decide``)."""
+    def needs_view(self) -> bool:
+        """Whether this step's decision may depend on the time (then pass ``share_rank0_view`` to ``decide``)."""
         return self.every_seconds > 0 or self.deadline is not None
 
-    def decide(self, step: int, notice: Notice | None, clock: Clock | None) -> Decision:
+    def decide(self, step: int, notice: Notice | None, view: Rank0View | None) -> Decision:
         """The decision after ``step``, given a pre-emption notice seen at this step, if any."""
         evaluate = step % self.eval_every == 0 or step == self.max_steps
-        return Decision(evaluate, self._checkpoint_reason(step, notice, clock))
+        return Decision(evaluate, self._checkpoint_reason(step, notice, view))
 
-    def _checkpoint_reason(self, step: int, notice: Notice | None, clock: Clock | None) -> str:
+    def _checkpoint_reason(self, step: int, notice: Notice | None, view: Rank0View | None) -> str:
         if notice is not None and not self.notice_seen:
             self.notice_seen, self.deadline = True, notice.deadline
             return "preemption"
         if self.deadline is not None:
-            margin = 2 * clock.save_seconds + 3 * clock.step_seconds + 1.0
-            if clock.now >= self.deadline - margin:
+            margin = 2 * view.save_seconds + 3 * view.step_seconds + 1.0
+            if view.now >= self.deadline - margin:
                 self.deadline = None
                 return "deadline"
+        if view is not None and view.checkpoint_requested > view.last_save:  # a later checkpoint answers it
+            return "requested"
         if step == self.max_steps:
             return "final"
         if self.every_steps and step % self.every_steps == 0:
             return "steps"
-        if self.every_seconds and clock.now - clock.last_save >= self.every_seconds:
+        if self.every_seconds and view.now - view.last_save >= self.every_seconds:
             return "minutes"
         return ""

@@ -22,8 +22,9 @@ import torch.distributed as dist
 from train import checkpoint
 from train.config import config_from_dict
 from train.data import load_split
-from train.decisions import Clock, Notice, StepPolicy, rank0_clock
+from train.decisions import Notice, Rank0View, StepPolicy, share_rank0_view
 from train.ds_config import build_ds_config
+from train.early_checkpoint import latest_checkpoint_request
 from train.export import export_model, export_uri
 from train.hf_gpt2 import load_weights
 from train.loader import SampleOrder, micro_batch_samples
@@ -220,16 +221,19 @@ def train_loop(
         # Ask Ray about pre-emption every few steps (a round trip; the same steps on every rank, which
         # its agreement across workers needs), then decide this step's evaluation and checkpoint.
         steps_to_preemption_check -= 1
+        poll = not policy.notice_seen and steps_to_preemption_check <= 0
         notice = None
-        if not policy.notice_seen and steps_to_preemption_check <= 0:
+        if poll:
             steps_to_preemption_check = preemption_check_every
             info = preemption_info()
             if info is not None:
                 notice = Notice(deadline=info.deadline_ms / 1000 if info.deadline_ms else None)
-        clock = None
-        if policy.needs_clock():
-            clock = rank0_clock(Clock(time.time(), last_save, step_seconds, save_seconds), engine.device)
-        decision = policy.decide(step, notice, clock)
+        view = None
+        if poll or policy.needs_view():
+            requested = latest_checkpoint_request() if poll and rank == 0 else 0.0
+            mine = Rank0View(time.time(), last_save, step_seconds, save_seconds, requested)
+            view = share_rank0_view(mine, engine.device)
+        decision = policy.decide(step, notice, view)
         if decision.evaluate:
             val_loss = evaluate(engine, val_rows, optim.micro_batch_size)
             metrics.update(step=step, **_val_metrics(val_loss, args["tokens_per_byte"]))
