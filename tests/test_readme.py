@@ -32,7 +32,6 @@ HOW = {
         "needs an S3 bucket"
     ),
     "python -m train --set data.tokenizer=bpe --set data.vocab_size=8192 --set run.name=tiny-bpe": STEPS,
-    "python -m train.data prepare --out data/bpe --tokenizer bpe --seq-len 256": RUN,
     "python -m train": "command 1 again (the Hugging Face section starts from its export): run above",
     'python -c "\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\nmodel = AutoModelForCausalLM.'
     "from_pretrained('runs/tiny/export')\ntokenizer = AutoTokenizer.from_pretrained('runs/tiny/export')\nids = "

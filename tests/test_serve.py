@@ -243,7 +243,7 @@ def test_python_m_serve_serves_the_openai_client(memorized_export):
 def test_cluster_deploy_config_is_a_valid_serve_config():
     from ray.serve.schema import ServeDeploySchema
 
-    deploy = yaml.safe_load(open(os.path.join(REPO, "configs", "serve", "deploy.yaml")))
+    deploy = yaml.safe_load(open(os.path.join(REPO, "serve", "deploy.yaml")))
     ServeDeploySchema.model_validate(deploy)
     (app,) = deploy["applications"]
     assert app["import_path"] == "serve.app:build_app"

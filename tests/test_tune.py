@@ -112,7 +112,7 @@ def test_notebook_sweep_stops_trials_early_runs_them_concurrently_and_its_best_r
         assert (sweep / plot).stat().st_size > 1000
 
     # The best recipe is a complete train recipe: it trains as it is.
-    recipe = tmp_path / "best-notebook.yaml"
+    recipe = sweep / "best-notebook.yaml"  # the sweep directory keeps it
     cfg = load_config(str(recipe), [f"run.storage_path={tmp_path}/best"])
     best = trials[~trials["stopped_early"]].sort_values("val_loss").iloc[0]
     assert cfg.optim.lr == pytest.approx(best["optim.lr"]) and cfg.model.d_model == best["model.d_model"]
