@@ -72,22 +72,6 @@ def test_cli_rejects_a_bad_sweep_file_before_starting_ray(tmp_path, capsys):
     assert tune_main(["--resume", str(tmp_path)]) == 2
 
 
-def test_readme_sweep_command_runs_on_a_local_ray_without_spot_nodes(tiny_dataset, tmp_path):
-    """`python -m tune --config tiny` as the README gives it, shortened by --set only.
-
-    Its trials ask for `spot`, which a local Ray has not and cannot get: one warning, then the sweep runs.
-    """
-    shorter = f"set=[optim.max_steps=20, optim.warmup_steps=5, run.eval_every=10, data.path={tiny_dataset}]"
-    command = [sys.executable, "-m", "tune", "--config", "tiny", "--set", shorter]
-    command += ["--set", "num_trials=2", "--set", f"storage_path={tmp_path}"]
-    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    warnings = [line for line in done.stderr.splitlines() if line.startswith("warning: trial_resources")]
-    assert len(warnings) == 1 and "'spot'" in warnings[0], warnings
-    assert "best recipe:" in done.stdout and (tmp_path / "sweeps" / "tiny" / "best-tiny.yaml").is_file()
-
-
 def test_notebook_sweep_stops_trials_early_runs_them_concurrently_and_its_best_recipe_trains(
     ray_session, tiny_dataset, tmp_path
 ):
