@@ -76,6 +76,14 @@ def test_rays_aws_provider_on_moto_creates_every_worker_type_and_opens_only_ssh(
     monkeypatch.setenv("MOTO_IAM_LOAD_MANAGED_POLICIES", "true")  # Ray attaches AWS-managed policies
     region = cluster_config["provider"]["region"]
     with mock_aws():
+        iam = boto3.client("iam", region_name=region)
+        for who in ("head", "worker"):  # as cluster.yaml's header tells the user to, from cluster/iam/
+            trust = (REPO / "cluster" / "iam" / "ec2-trust.json").read_text()
+            iam.create_role(RoleName=f"raywright-{who}", AssumeRolePolicyDocument=trust)
+            policy = (REPO / "cluster" / "iam" / f"{who}-policy.json").read_text()
+            iam.put_role_policy(RoleName=f"raywright-{who}", PolicyName="raywright", PolicyDocument=policy)
+            iam.create_instance_profile(InstanceProfileName=f"raywright-{who}")
+            iam.add_role_to_instance_profile(InstanceProfileName=f"raywright-{who}", RoleName=f"raywright-{who}")
         config = bootstrap_aws(prepare_config(copy.deepcopy(cluster_config)))
         provider = AWSNodeProvider(config["provider"], config["cluster_name"])
         for name in WORKER_TYPES:
@@ -88,6 +96,18 @@ def test_rays_aws_provider_on_moto_creates_every_worker_type_and_opens_only_ssh(
             for i in instances
         }
         assert launched == WORKER_TYPES
+        for instance in instances:  # workers get the worker profile (the bucket only), and IMDSv2 only
+            assert instance["IamInstanceProfile"]["Arn"].endswith("instance-profile/raywright-worker")
+            assert instance["MetadataOptions"]["HttpTokens"] == "required"
+        assert iam.list_roles()["Roles"] and "ray-autoscaler-v1" not in {
+            r["RoleName"] for r in iam.list_roles()["Roles"]
+        }  # Ray made no role of its own (its default gives the head EC2 and S3 on every bucket)
+        head = config["available_node_types"]["ray.head.default"]["node_config"]
+        assert head["IamInstanceProfile"] == {"Name": "raywright-head"}
+        assert head["MetadataOptions"]["HttpTokens"] == "required"
+        worker_policy = json.loads((REPO / "cluster" / "iam" / "worker-policy.json").read_text())
+        resources = {r for statement in worker_policy["Statement"] for r in [statement["Resource"]]}
+        assert all("YOUR-BUCKET" in r for r in resources)  # the bucket only: no EC2, no IAM, no other bucket
         (group,) = ec2.describe_security_groups(GroupNames=["raywright-nodes"])["SecurityGroups"]
         from_outside = [rule for rule in group["IpPermissions"] if rule.get("IpRanges")]
         assert [(rule["FromPort"], rule["ToPort"]) for rule in from_outside] == [(22, 22)]
