@@ -43,12 +43,15 @@ class SweepResult:
 
 
 def _trainable(sweep: SweepConfig):
+    # Absolute paths for the trials: Tune runs each in a working directory of its own.
+    sweep = replace(sweep, storage_path=storage.absolute(sweep.storage_root()))
     address = [f"run.ray_address={sweep.ray_address}"] if sweep.ray_address else []
-    cfg = sweep.base_config([f"run.storage_path={sweep.storage_root()}", *address])
+    cfg = sweep.base_config([f"run.storage_path={sweep.storage_path}", *address])
     check_before_ray(cfg)
     if init_ray(cfg):  # a private Ray: a resource no node has (spot, on a laptop) would keep trials pending forever
         sweep = replace(sweep, trial_resources=resources_offered(sweep.trial_resources, "trial_resources"))
     data_path, manifest = ensure_dataset(cfg)  # prepared once by the driver, read by every trial
+    data_path = storage.absolute(data_path)
     trainable = tune.with_parameters(run_trial, sweep=sweep, data_path=data_path, manifest=manifest)
     # With Train workers the trial's process only drives them: a sliver of CPU, on any node (the head
     # too, which outlives spot nodes); Tune does not count the workers' resources, Train waits for them.
