@@ -103,9 +103,10 @@ def prune(run_uri: str, keep_last: int) -> None:
     Called right after a save completes, when no other save is in flight: an incomplete directory is
     then an interrupted attempt, never one still being written, and never counts toward ``keep_last``.
     """
-    complete = [uri for uri in _step_dirs(run_uri) if _incompleteness(uri) is None]
+    step_dirs = _step_dirs(run_uri)
+    complete = [uri for uri in step_dirs if _incompleteness(uri) is None]
     kept = set(complete[-keep_last:])
-    for uri in _step_dirs(run_uri):
+    for uri in step_dirs:
         if uri not in kept:
             storage.delete_dir(uri)
 

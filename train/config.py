@@ -15,7 +15,7 @@ from train import storage
 from train.batching import check_batch_divides
 from train.hf_gpt2 import read_model_config, weight_files
 from train.model import ModelConfig
-from train.schema import ConfigError, Name, Section, parse, read_tree, replace
+from train.schema import ConfigError, Name, Section, find_config_file, parse, read_tree, replace, shipped_names
 from train.tokenizer import MAX_VOCAB, ByteTokenizer, load_tokenizer
 
 RECIPE_DIR = Path(__file__).with_name("recipes")  # package data: the same in a checkout and in a wheel
@@ -209,19 +209,12 @@ class TrainConfig(Section):
 
 def recipe_names() -> list[str]:
     """The train recipes that ship with raywright (train/recipes/)."""
-    return sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
+    return shipped_names(RECIPE_DIR)
 
 
 def resolve_recipe(recipe: str) -> str:
     """A recipe is a YAML path or URI, or the name of a shipped recipe (``tiny`` -> train/recipes/tiny.yaml)."""
-    if "://" in recipe:
-        return recipe
-    path = Path(recipe).expanduser()
-    if path.suffix not in (".yaml", ".yml"):
-        path = RECIPE_DIR / f"{recipe}.yaml"
-    if not path.is_file():
-        raise ConfigError(f"--config: no recipe {recipe!r} (looked for {path}); shipped recipes: {recipe_names()}")
-    return str(path)
+    return find_config_file(recipe, RECIPE_DIR, "recipe")
 
 
 def load_config(recipe: str | None = None, overrides: list[str] = ()) -> TrainConfig:

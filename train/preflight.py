@@ -127,10 +127,12 @@ RESUME_MUST_MATCH = (
 
 def check_resume(cfg: TrainConfig) -> None:
     """A run that resumes (its name has a checkpoint) keeps the settings and the dataset the checkpoint needs."""
-    from train import checkpoint  # imports DeepSpeed: only here, where a run may resume
-
     run_uri = storage.join(cfg.run.storage_path, cfg.run.name)
-    latest = checkpoint.latest_complete(run_uri) if storage.exists(run_uri) else None
+    if not storage.exists(run_uri):
+        return
+    from train import checkpoint  # imports DeepSpeed: only for a run that may resume
+
+    latest = checkpoint.latest_complete(run_uri)
     if latest is None:
         return
     saved, current = latest["config"], cfg.to_dict()
@@ -144,9 +146,10 @@ def check_resume(cfg: TrainConfig) -> None:
         for key in RESUME_MUST_MATCH
         if value(saved, key) != value(current, key)
     ]
-    manifest = load_manifest(dataset_path(cfg))
+    data_path = dataset_path(cfg)
+    manifest = load_manifest(data_path)
     if manifest is not None and manifest_sha256(manifest) != latest.get("data_manifest_sha256"):
-        changed.append(f"the dataset ({dataset_path(cfg)} is not the one it trained on)")
+        changed.append(f"the dataset ({data_path} is not the one it trained on)")
     if changed:
         raise ConfigError(
             f"run.name: {cfg.run.name!r} resumes from {latest['uri']}, which cannot take {'; '.join(changed)}; "

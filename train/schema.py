@@ -9,6 +9,7 @@ A section is a pydantic model whose fields carry their types, ranges and Literal
 import re
 import types
 import typing
+from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
@@ -165,6 +166,28 @@ def read_tree(path: str | None, overrides: list[str], what: str) -> dict[str, An
     for override in overrides:
         apply_override(tree, override)
     return tree
+
+
+def shipped_names(directory: Path) -> list[str]:
+    """The names of the YAML files shipped in ``directory`` (package data)."""
+    return sorted(p.stem for p in directory.glob("*.yaml"))
+
+
+def find_config_file(name: str, directory: Path, what: str) -> str:
+    """A YAML path or URI as given, or the name of a file shipped in ``directory`` (``tiny`` -> tiny.yaml there).
+
+    ``what`` names the kind of file in errors ("recipe", "sweep").
+    """
+    if "://" in name:
+        return name
+    path = Path(name).expanduser()
+    if path.suffix not in (".yaml", ".yml"):
+        path = directory / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError(
+            f"--config: no {what} {name!r} (looked for {path}); shipped {what}s: {shipped_names(directory)}"
+        )
+    return str(path)
 
 
 def _type_label(hint: Any) -> str:

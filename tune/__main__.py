@@ -3,17 +3,16 @@
 import sys
 
 from train.cli import config_errors_exit_2, config_parser, print_config
-from tune.config import SWEEP_DIR, SweepConfig, load_sweep_config
+from tune.config import SweepConfig, load_sweep_config, sweep_names
 
 
 @config_errors_exit_2
 def main(argv: list[str] | None = None) -> int:
-    shipped = ", ".join(sorted(p.stem for p in SWEEP_DIR.glob("*.yaml")))
     parser = config_parser(
         "python -m tune",
         "Optuna + ASHA sweeps of the training job.",
         SweepConfig,
-        f"a shipped sweep ({shipped}) or a sweep YAML path",
+        f"a shipped sweep ({', '.join(sweep_names())}) or a sweep YAML path or URI",
     )
     parser.add_argument("--resume", metavar="SWEEP_DIR", help="finish an interrupted sweep from its directory")
     args = parser.parse_args(argv)

@@ -23,7 +23,7 @@ from pydantic import Field, model_validator
 from ray import tune
 
 from train.config import TrainConfig, load_config
-from train.schema import ConfigError, Name, Section, parse, read_tree
+from train.schema import ConfigError, Name, Section, find_config_file, parse, read_tree, shipped_names
 
 SWEEP_DIR = Path(__file__).with_name("sweeps")  # package data, like train/recipes/
 KINDS = ("loguniform", "uniform", "int", "choice")
@@ -170,15 +170,14 @@ def sweep_config_from_dict(values: dict[str, Any]) -> SweepConfig:
     return sweep
 
 
+def sweep_names() -> list[str]:
+    """The sweeps that ship with raywright (tune/sweeps/)."""
+    return shipped_names(SWEEP_DIR)
+
+
 def resolve_sweep(sweep: str) -> str:
-    """A sweep file is a YAML path, or the name of a shipped sweep (``tiny`` -> tune/sweeps/tiny.yaml)."""
-    path = Path(sweep).expanduser()
-    if path.suffix not in (".yaml", ".yml"):
-        path = SWEEP_DIR / f"{sweep}.yaml"
-    if not path.is_file():
-        shipped = sorted(p.stem for p in SWEEP_DIR.glob("*.yaml"))
-        raise ConfigError(f"--config: no sweep {sweep!r} (looked for {path}); shipped sweeps: {shipped}")
-    return str(path)
+    """A sweep file is a YAML path or URI, or the name of a shipped sweep (``tiny`` -> tune/sweeps/tiny.yaml)."""
+    return find_config_file(sweep, SWEEP_DIR, "sweep")
 
 
 def load_sweep_config(sweep: str, overrides: list[str] = ()) -> SweepConfig:
