@@ -21,7 +21,7 @@ import torch
 
 from train.config import load_config
 from train.data import load_split
-from train.launch import ensure_dataset, init_ray, local_run_dir, run_training
+from train.launch import ensure_dataset, init_ray, run_uri, run_training
 from train.metrics import read_metrics
 from train.model import GPT
 from train.schedule import lr_at
@@ -79,7 +79,7 @@ def main() -> None:
     for round_index in range(args.rounds):
         cfg.run.name = f"p1-{round_index}"
         run_training(cfg)
-        reports = [m for m in read_metrics(local_run_dir(cfg)) if "loss" in m][:-1]  # the last includes the save
+        reports = [m for m in read_metrics(run_uri(cfg)) if "loss" in m][:-1]  # the last includes the save
         raywright.append((reports[-1]["time"] - reports[0]["time"]) / (reports[-1]["step"] - reports[0]["step"]))
         bare.append(bare_loop_step_time(cfg, rows, args.steps))
     ratios = [r / ((bare[i] + bare[i + 1]) / 2) for i, r in enumerate(raywright)]

@@ -1,4 +1,4 @@
-"""Shared fixtures: one private Ray per test session and one small prepared corpus."""
+"""Shared fixtures: one private Ray per test session, one small prepared corpus, one S3 server."""
 
 import os
 import shutil
@@ -21,6 +21,23 @@ from train.tokenizer import ByteTokenizer
 # What the serving tests' model learns by heart: ASCII and 2-, 3- and 4-byte UTF-8 characters.
 MEMORIZED_TEXT = "Grüße aus Köln: 3 € für ☕ und 🚀. "
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# Object storage for the tests: a moto S3 server on 127.0.0.1 (started by the s3_bucket fixture). Set
+# before any Ray starts, so that every Ray worker inherits it; pyarrow and boto3 both read these.
+S3_BUCKET = "raywright-test"
+S3_PORT = _free_port()
+os.environ.update(
+    AWS_ENDPOINT_URL_S3=f"http://127.0.0.1:{S3_PORT}",
+    AWS_ACCESS_KEY_ID="testing",
+    AWS_SECRET_ACCESS_KEY="testing",
+    AWS_DEFAULT_REGION="us-east-1",
+)
+
 # A few standard-library packages: a real corpus of ~4 MB that every machine has.
 CORPUS_PACKAGES = ("json", "email", "http", "logging")
 
@@ -40,6 +57,19 @@ def ray_cluster():
     ray.shutdown()
     cluster.shutdown()
     shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def s3_bucket() -> str:
+    """``s3://raywright-test`` on a moto S3 server of this test session."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=S3_PORT, verbose=False)
+    server.start()
+    boto3.client("s3").create_bucket(Bucket=S3_BUCKET)
+    yield f"s3://{S3_BUCKET}"
+    server.stop()
 
 
 @pytest.fixture(scope="session")
@@ -84,10 +114,7 @@ def process_group():
     """
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setenv("LOCAL_RANK", "0")  # DeepSpeed reads it; Ray Train sets it on real workers
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
     monkeypatch.undo()

@@ -7,8 +7,10 @@ not in the quick ``-m unit`` loop).
 import json
 import os
 import shlex
+import socket
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -36,6 +38,7 @@ CASES = [
     ("train --set data.path={tmp}/users-own", "data.path"),
     ("train --set run.storage_path=s3://raywright-no-such-bucket/runs", "run.storage_path"),
     ("train --set run.storage_path={tmp}/resumed --set model.n_layer=3", "model.n_layer 2 -> 3"),
+    ("train --set run.storage_path={tmp}/owned", f"being trained by another driver (pid {os.getpid()}"),
     ("train --bogus", "unrecognized arguments: --bogus"),
     ("tune", "give one of --config and --resume"),
     ("tune --config nosuch", "--config: no sweep 'nosuch'"),
@@ -64,6 +67,9 @@ def answers(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     step = tmp / "resumed" / "tiny" / "checkpoints" / "step_00000004"  # a complete checkpoint of no files
     step.mkdir(parents=True)
     (step / "metadata.json").write_text(json.dumps({"step": 4, "files": {}, "config": load_config("tiny").to_dict()}))
+    owner = {"host": socket.gethostname(), "pid": os.getpid(), "token": "live", "heartbeat": time.time() + 600}
+    (tmp / "owned" / "tiny").mkdir(parents=True)
+    (tmp / "owned" / "tiny" / "lease.json").write_text(json.dumps(owner))  # a live driver of run "tiny"
     (tmp / "users-own").mkdir()
     (tmp / "users-own" / "notes.txt").write_text("mine")
     # Object storage that cannot be reached (a closed port) and no instance metadata to ask for credentials.

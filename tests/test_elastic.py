@@ -20,7 +20,7 @@ import pytest
 from cluster.drain import drain_node
 from train.config import load_config
 from train.data import load_manifest, prepare
-from train.launch import local_run_dir, run_training
+from train.launch import run_uri, run_training
 from train.loader import SampleOrder
 from train.timeline import progress_of
 
@@ -95,7 +95,7 @@ def _config(dataset: str, storage: str, name: str, stage: int, num_workers: str,
 
 def _step_log(cfg) -> dict[int, dict]:
     """The sample log by step; a redone step's last execution is the one that counts."""
-    with open(os.path.join(local_run_dir(cfg), "samples.jsonl")) as f:
+    with open(os.path.join(run_uri(cfg), "samples.jsonl")) as f:
         return {record["step"]: record for record in map(json.loads, f)}
 
 

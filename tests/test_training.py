@@ -10,14 +10,14 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 
 from train import checkpoint, storage
 from train.export import load_exported
-from train.launch import local_run_dir, run_training
+from train.launch import run_uri, run_training
 from train.metrics import read_metrics
 
 pytestmark = pytest.mark.cluster
 
 
 def _train_losses(cfg) -> dict[int, float]:
-    return {m["step"]: m["loss"] for m in read_metrics(local_run_dir(cfg)) if "loss" in m}
+    return {m["step"]: m["loss"] for m in read_metrics(run_uri(cfg)) if "loss" in m}
 
 
 def test_zero_stages_1_2_3_learn_the_same_thing(tiny_config):
@@ -79,7 +79,7 @@ def test_resume_skips_half_written_checkpoint_and_matches_uninterrupted_losses(t
 
     resumed = run_training(cfg)
     assert resumed.steps == 20 and resumed.checkpoint == checkpoint.checkpoint_uri(run, 20)
-    records = read_metrics(local_run_dir(cfg))
+    records = read_metrics(run_uri(cfg))
     after_resume = [m for m in records[len(uninterrupted) + 1 :] if "loss" in m]
     assert [m["step"] for m in after_resume] == list(range(11, 21))
     for m in after_resume:
@@ -104,7 +104,7 @@ def test_restore_at_another_world_size_with_offload_is_exact(tiny_config):
 
     resumed = run_training(tiny_config(*overrides, "scaling.num_workers=1"))
     assert resumed.steps == 12
-    with open(f"{local_run_dir(cfg)}/samples.jsonl") as f:
+    with open(f"{run_uri(cfg)}/samples.jsonl") as f:
         records = [json.loads(line) for line in f]
     uninterrupted = {r["step"]: r["loss"] for r in records[:12]}
     after = records[12:]

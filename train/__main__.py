@@ -23,8 +23,13 @@ def main(argv: list[str] | None = None) -> int:
     check_before_ray(cfg)
     check_resume(cfg)
     from train.launch import run_training  # Ray: after the config is checked
+    from train.lease import RunOwnedError
 
-    summary = run_training(cfg, stop_on_sigterm=True)
+    try:
+        summary = run_training(cfg, stop_on_sigterm=True)
+    except RunOwnedError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     elastic = summary.elastic
     lines = {
         "run": summary.run_dir,

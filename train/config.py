@@ -164,6 +164,9 @@ class RunConfig(Section):
     """The Ray cluster to run on; "" = the cluster of a Ray job, else a private local Ray."""
     sample_log: bool = False
     """Log the dataset rows each step trained on, to <run>/samples.jsonl."""
+    lease_stale_after_s: float = Field(300.0, ge=10.0)
+    """A run is refused while another driver holds its lease (<run>/lease.json); a lease without
+    heartbeat for this long, or held by a process of this host that has exited, is taken over."""
 
 
 class CostConfig(Section):

@@ -1,6 +1,5 @@
 """Driver side of a training run: Ray, the dataset, the TorchTrainer, and the run summary."""
 
-import json
 import os
 import signal
 import subprocess
@@ -22,11 +21,14 @@ from train import checkpoint, storage
 from train.config import TrainConfig
 from train.data import dataset_path, load_manifest, manifest_sha256, prepare
 from train.export import export_uri
+from train.lease import Lease
 from train.loop import train_loop
 from train.metrics import MetricsRecorder, read_metrics
 from train.preflight import check_dataset_matches, cluster_address
 from train.schema import replace
 from train.timeline import TIMELINE_PREFIX, RunTimeline
+
+ELASTIC_SUMMARY = "elastic_summary.json"
 
 # One progress line per report in the terminal, without Ray Train's echo of every report.
 RAY_TRAIN_LOGGING_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_TRAIN_ENABLE_WORKER_STRUCTURED_LOGGING": "0"}
@@ -133,13 +135,17 @@ def set_ray_train_env(cfg: TrainConfig) -> None:
         os.environ.setdefault(name, value)
 
 
+def run_uri(cfg: TrainConfig) -> str:
+    """The run's directory (local, absolute) or URI: its checkpoints, export, metrics and lease."""
+    return storage.absolute(storage.join(cfg.run.storage_path, cfg.run.name))
+
+
 def loop_args(cfg: TrainConfig, data_path: str, manifest: dict, timeline: str | None = None) -> dict[str, Any]:
     """The ``args`` of ``train_loop`` for ``cfg``; ``timeline`` names the RunTimeline actor to report to."""
     return {
         "config": cfg.to_dict(),
-        "run_uri": storage.absolute(storage.join(cfg.run.storage_path, cfg.run.name)),
+        "run_uri": run_uri(cfg),
         "data_path": storage.absolute(data_path),
-        "local_run_dir": local_run_dir(cfg),
         "timeline": timeline,
         "tokens_per_byte": manifest["tokens_per_byte"],
         "provenance": {
@@ -171,16 +177,10 @@ def build_trainer(
             storage_path=storage.absolute(cfg.run.storage_path),
             # Pre-emptions are routine on spot nodes: unlimited; real failures are bounded.
             failure_config=FailureConfig(max_failures=scaling.max_failures, max_preemption_failures=-1),
-            callbacks=[MetricsRecorder(local_run_dir(cfg)), *callbacks],
+            callbacks=[MetricsRecorder(run_uri(cfg), cfg.optim.max_steps), *callbacks],
         ),
         torch_config=TorchConfig(backend="nccl" if scaling.use_gpu else "gloo"),
     )
-
-
-def local_run_dir(cfg: TrainConfig) -> str:
-    """Where metrics files go: the run directory, or ./runs/<name> when storage is remote."""
-    base = cfg.run.storage_path if storage.is_local(cfg.run.storage_path) else "runs"
-    return os.path.join(storage.absolute(base), cfg.run.name)
 
 
 def ensure_dataset(cfg: TrainConfig) -> tuple[str, dict]:
@@ -199,10 +199,15 @@ def ensure_dataset(cfg: TrainConfig) -> tuple[str, dict]:
 
 
 def run_training(cfg: TrainConfig, stop_on_sigterm: bool = False) -> RunSummary:
-    """Train ``cfg`` to completion (resuming the run of the same name if it exists).
+    """Train ``cfg`` to completion (resuming the run of the same name if it exists), holding its lease.
 
     ``stop_on_sigterm``: the command line's run, where ``ray job stop`` should abort gracefully.
     """
+    with Lease(run_uri(cfg), cfg.run.lease_stale_after_s):
+        return _train_holding_lease(cfg, stop_on_sigterm)
+
+
+def _train_holding_lease(cfg: TrainConfig, stop_on_sigterm: bool) -> RunSummary:
     if init_ray(cfg):
         offered = resources_offered(cfg.scaling.resources_per_worker, "scaling.resources_per_worker")
         cfg = replace(cfg, scaling=replace(cfg.scaling, resources_per_worker=offered))
@@ -221,15 +226,14 @@ def run_training(cfg: TrainConfig, stop_on_sigterm: bool = False) -> RunSummary:
     ray.get(timeline.finished.remote())
     elastic = ray.get(timeline.summary.remote())
     ray.kill(timeline)
-    with open(os.path.join(local_run_dir(cfg), "elastic_summary.json"), "w") as f:
-        json.dump(elastic, f, indent=2)
-    run_uri = storage.join(cfg.run.storage_path, cfg.run.name)
-    latest = checkpoint.latest_complete(run_uri)
-    val_losses = [m["val_loss"] for m in read_metrics(local_run_dir(cfg)) if "val_loss" in m]
+    run = run_uri(cfg)
+    storage.write_json(storage.join(run, ELASTIC_SUMMARY), elastic)
+    latest = checkpoint.latest_complete(run)
+    val_losses = [m["val_loss"] for m in read_metrics(run) if "val_loss" in m]
     return RunSummary(
-        run_dir=run_uri,
+        run_dir=run,
         checkpoint=latest["uri"] if latest else None,
-        export=export_uri(run_uri),
+        export=export_uri(run),
         initial_val_loss=val_losses[0] if val_losses else None,
         final_val_loss=val_losses[-1] if val_losses else None,
         steps=latest["step"] if latest else 0,

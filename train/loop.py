@@ -5,9 +5,7 @@ complete checkpoint (converting it if the world size changed), then trains optim
 ``[restored step, max_steps)`` on the samples that those steps own, whatever the world size.
 """
 
-import json
 import math
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +17,7 @@ import ray.train
 import torch
 import torch.distributed as dist
 
-from train import checkpoint
+from train import checkpoint, storage
 from train.config import config_from_dict
 from train.data import load_split
 from train.decisions import Notice, Rank0View, StepPolicy, share_rank0_view
@@ -30,8 +28,11 @@ from train.hf_gpt2 import load_weights
 from train.loader import SampleOrder, micro_batch_samples
 from train.metrics import format_progress, memory_gb, peak_tflops
 from train.model import GPT, flops_per_token
+from train.run_files import JsonlLog
 from train.schedule import lr_at
 from train.tokenizer import load_tokenizer
+
+SAMPLE_LOG = "samples.jsonl"
 
 
 def _to_batch(rows: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +80,7 @@ def _report(metrics: dict[str, Any], max_steps: int, report: Callable[[dict], No
     report(metrics)
 
 
-def _log_samples(path: str, step: int, my_rows: np.ndarray, my_loss: float, device: torch.device) -> None:
+def _log_samples(log: JsonlLog | None, step: int, my_rows: np.ndarray, my_loss: float, device: torch.device) -> None:
     """Append the dataset rows every rank trained on in ``step``, and the step's loss, to the sample log.
 
     Rank 0 writes it directly (not through Ray's reports, the newest of which a restart can drop),
@@ -89,10 +90,8 @@ def _log_samples(path: str, step: int, my_rows: np.ndarray, my_loss: float, devi
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
     loss = _mean_over_ranks(my_loss, 1.0, device)
-    if dist.get_rank() == 0:
-        record = {"step": step, "world_size": len(gathered), "loss": loss, "rows": torch.cat(gathered).tolist()}
-        with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+    if log is not None:
+        log.append({"step": step, "world_size": len(gathered), "loss": loss, "rows": torch.cat(gathered).tolist()})
 
 
 def train_loop(
@@ -102,7 +101,7 @@ def train_loop(
 ) -> None:
     """Ray Train worker entry point; also run directly, in one process, by single-worker sweep trials.
 
-    ``args``: config (dict), run_uri, data_path, local_run_dir, provenance, timeline (actor name or None),
+    ``args``: config (dict), run_uri, data_path, provenance, timeline (actor name or None),
     tokens_per_byte (of the dataset, for bits per byte).
     ``report`` and ``preemption_info`` default to Ray Train's; a Tune trial passes Tune's report.
     """
@@ -157,7 +156,8 @@ def train_loop(
         "tokenizer": tokenizer.spec(),
         "data_manifest_sha256": args["provenance"]["data_manifest_sha256"],
     }
-    sample_log = os.path.join(args["local_run_dir"], "samples.jsonl") if cfg.run.sample_log else None
+    # Every rank gathers the rows; rank 0 writes them, and makes them visible at each checkpoint.
+    sample_log = JsonlLog(storage.join(run_uri, SAMPLE_LOG)) if cfg.run.sample_log and rank == 0 else None
     first_step = step + 1
     policy = StepPolicy(cfg)
     preemption_check_every = 1  # steps; set from the measured step time at each loss report
@@ -189,7 +189,7 @@ def train_loop(
         window_time += step_seconds
         if timeline:
             timeline.step_done.remote(step, step_seconds, time.time())
-        if sample_log:
+        if cfg.run.sample_log:
             _log_samples(sample_log, step, np.concatenate(my_rows), step_loss, engine.device)
 
         metrics: dict[str, Any] = {}
@@ -250,6 +250,8 @@ def train_loop(
             )
             last_save = time.time()
             save_seconds = last_save - save_start
+            if sample_log:
+                sample_log.flush()
             metrics.update(step=step, checkpoint=uri)
             if timeline:
                 timeline.checkpoint_saved.remote(step, reason)
@@ -258,5 +260,7 @@ def train_loop(
         if metrics:
             _report(metrics, optim.max_steps, report)
 
+    if sample_log:
+        sample_log.flush()
     provenance = {**args["provenance"], "step": step, "config": cfg.to_dict()}
     export_model(engine, cfg.model, tokenizer, export_uri(run_uri), provenance)

@@ -2,16 +2,21 @@
 
 Workers report through ``ray.train.report``; this callback runs in the controller and
 appends every report to ``<run>/metrics.jsonl`` and, when the ``tensorboard`` extra is
-installed, to TensorBoard event files in ``<run>/tensorboard``.
+installed, to TensorBoard event files in ``<run>/tensorboard``, wherever the run lives.
 """
 
-import json
-import os
 import resource
+import time
 from typing import Any
 
 import torch
 from ray.train.v2.api.callback import UserCallback
+
+from train import storage
+from train.run_files import JsonlLog, local_dir_for, read_jsonl, upload_dir
+
+METRICS = "metrics.jsonl"
+TENSORBOARD = "tensorboard"
 
 # Dense bf16 peak TFLOP/s per device, by a substring of torch.cuda.get_device_name().
 GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
@@ -45,23 +50,45 @@ def format_progress(m: dict[str, Any], max_steps: int) -> str:
 
 
 class MetricsRecorder(UserCallback):
-    """Appends rank 0's reported metrics to metrics.jsonl and TensorBoard in ``run_dir``."""
+    """Appends rank 0's reported metrics to ``<run>/metrics.jsonl`` and TensorBoard in ``<run>/tensorboard``.
 
-    def __init__(self, run_dir: str):
-        self.run_dir = run_dir
+    On object storage both are uploaded every ``UPLOAD_EVERY_S``, at the last step and after a failure.
+    """
+
+    UPLOAD_EVERY_S = 30.0
+
+    def __init__(self, run_uri: str, max_steps: int):
+        self.run_uri = run_uri
+        self.max_steps = max_steps
+        self._log: JsonlLog | None = None  # opened where the callback runs (Ray Train's controller)
         self._writer = None
+        self._tensorboard_dir = ""
+        self._uploaded = 0.0
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
         record = metrics[0]
-        os.makedirs(self.run_dir, exist_ok=True)
-        with open(os.path.join(self.run_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(record) + "\n")
+        if self._log is None:
+            self._log = JsonlLog(storage.join(self.run_uri, METRICS))
+            self._uploaded = time.monotonic()
+        self._log.append(record)
         writer = self._tensorboard()
         if writer is not None:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "step":
                     writer.add_scalar(key, value, record["step"])
             writer.flush()
+        if record["step"] >= self.max_steps or time.monotonic() - self._uploaded >= self.UPLOAD_EVERY_S:
+            self._upload()
+
+    def after_exception(self, run_context, worker_exceptions) -> None:
+        if self._log is not None:
+            self._upload()
+
+    def _upload(self) -> None:
+        self._log.flush()
+        if self._writer is not None:
+            upload_dir(self._tensorboard_dir, storage.join(self.run_uri, TENSORBOARD))
+        self._uploaded = time.monotonic()
 
     def _tensorboard(self):
         if self._writer is None:
@@ -69,13 +96,10 @@ class MetricsRecorder(UserCallback):
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:  # the tensorboard extra is optional
                 return None
-            self._writer = SummaryWriter(os.path.join(self.run_dir, "tensorboard"))
+            self._tensorboard_dir = local_dir_for(storage.join(self.run_uri, TENSORBOARD))
+            self._writer = SummaryWriter(self._tensorboard_dir)
         return self._writer
 
 
-def read_metrics(run_dir: str) -> list[dict[str, Any]]:
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f]
+def read_metrics(run_uri: str) -> list[dict[str, Any]]:
+    return read_jsonl(storage.join(run_uri, METRICS))

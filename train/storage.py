@@ -78,6 +78,11 @@ def copy_dir(src: str, dst: str) -> None:
     pafs.copy_files(src_path, dst_path, source_filesystem=src_fs, destination_filesystem=dst_fs)
 
 
+def delete_file(uri: str) -> None:
+    fs, path = resolve(uri)
+    fs.delete_file(path)
+
+
 def delete_dir(uri: str) -> None:
     fs, path = resolve(uri)
     fs.delete_dir(path)

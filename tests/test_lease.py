@@ -1,0 +1,67 @@
+"""A run is owned: a second driver of the same run is refused, a gone one is taken over (no Ray)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from train import storage
+from train.lease import LEASE, Lease, RunOwnedError
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(params=["local", "s3"])
+def run_uri(request, tmp_path):
+    if request.param == "local":
+        return str(tmp_path / "run")
+    return f"{request.getfixturevalue('s3_bucket')}/lease-{time.time_ns()}/run"
+
+
+def test_a_second_driver_of_a_live_run_is_refused_with_the_owner_named(run_uri):
+    with Lease(run_uri, stale_after_s=300):
+        with pytest.raises(RunOwnedError) as refused:
+            Lease(run_uri, stale_after_s=300).acquire()
+    message = str(refused.value)
+    assert f"pid {os.getpid()} on {socket.gethostname()}" in message
+    assert "run.lease_stale_after_s" in message and "run.name" in message
+    Lease(run_uri, stale_after_s=300).acquire()  # released at the end of the first run
+
+
+def _write_lease(run_uri: str, pid: int, heartbeat: float) -> None:
+    owner = {"host": socket.gethostname(), "pid": pid, "token": "someone-else", "heartbeat": heartbeat}
+    storage.write_json(storage.join(run_uri, LEASE), owner)
+
+
+def test_a_lease_without_heartbeat_is_taken_over(run_uri):
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _write_lease(run_uri, alive.pid, heartbeat=time.time() - 301)
+        Lease(run_uri, stale_after_s=300).acquire()
+        _write_lease(run_uri, alive.pid, heartbeat=time.time())
+        with pytest.raises(RunOwnedError):  # the same owner with a fresh heartbeat is live
+            Lease(run_uri, stale_after_s=300).acquire()
+    finally:
+        alive.kill()
+
+
+def test_a_killed_driver_of_this_host_is_taken_over_at_once(run_uri):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    _write_lease(run_uri, int(dead.stdout), heartbeat=time.time())
+    lease = Lease(run_uri, stale_after_s=300)
+    lease.acquire()
+    assert json.loads(storage.read_bytes(storage.join(run_uri, LEASE)))["token"] == lease.token
+
+
+def test_a_driver_that_lost_its_lease_stops(tmp_path):
+    run_uri = str(tmp_path / "run")
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt), Lease(run_uri, stale_after_s=0.5):
+        _write_lease(run_uri, 1, heartbeat=time.time())  # taken over while this driver was paused
+        time.sleep(30)  # the heartbeat (every 0.1 s) interrupts this, as Ctrl-C would
+    assert time.monotonic() - start < 5
+    assert json.loads(storage.read_bytes(storage.join(run_uri, LEASE)))["token"] == "someone-else"  # not ours

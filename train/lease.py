@@ -1,0 +1,123 @@
+"""A run is owned: ``<run>/lease.json`` names the driver training it, renewed by a heartbeat.
+
+A second driver with the same run name (a job submitted twice) is refused while the lease is fresh, so
+two runs never write, or prune, each other's checkpoints. A lease is taken over when its owner is gone:
+no heartbeat for ``stale_after_s``, or a process on this host that no longer exists (a driver that was
+killed outright, then resubmitted; on a Ray cluster job drivers run on the head, so this is the common
+case and needs no wait).
+
+Object storage offers no create-if-absent through pyarrow, so taking a lease is write-then-read-back:
+two drivers starting within the same fraction of a second could both see themselves win until the
+next heartbeat, where the loser finds another owner's token and stops its run.
+"""
+
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+
+from train import storage
+
+LEASE = "lease.json"
+
+
+class RunOwnedError(RuntimeError):
+    """Another live driver holds the run's lease."""
+
+
+@dataclass(frozen=True)
+class Owner:
+    host: str
+    pid: int
+    token: str  # unique per driver: what tells a lease of ours from a lease taken over
+    heartbeat: float  # time.time() of the last renewal
+
+    def describe(self, now: float) -> str:
+        return f"pid {self.pid} on {self.host}, last heartbeat {now - self.heartbeat:.0f} s ago"
+
+    def is_gone(self, now: float, stale_after_s: float) -> bool:
+        """No heartbeat for ``stale_after_s``, or a process of this host that has exited."""
+        if now - self.heartbeat > stale_after_s:
+            return True
+        if self.host != socket.gethostname():
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # alive, another user's
+            return False
+        return False
+
+
+class Lease:
+    """Hold ``<run_uri>/lease.json`` while training: ``with Lease(run_uri, stale_after_s): ...``.
+
+    A heartbeat thread renews it every ``stale_after_s / 5`` s; if it finds the lease taken over (this
+    driver was stale, e.g. paused), it interrupts the main thread, which stops the run like Ctrl-C.
+    """
+
+    def __init__(self, run_uri: str, stale_after_s: float):
+        self.uri = storage.join(run_uri, LEASE)
+        self.stale_after_s = stale_after_s
+        self.token = uuid.uuid4().hex
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+
+    def _me(self) -> Owner:
+        return Owner(socket.gethostname(), os.getpid(), self.token, time.time())
+
+    def holder(self) -> Owner | None:
+        return Owner(**storage.read_json(self.uri)) if storage.exists(self.uri) else None
+
+    def acquire(self) -> None:
+        """Take the lease, or raise RunOwnedError naming the live owner."""
+        now = time.time()
+        holder = self.holder()
+        if holder is not None and holder.token != self.token and not holder.is_gone(now, self.stale_after_s):
+            raise RunOwnedError(self._owned_message(holder, now))
+        if holder is not None and holder.token != self.token:
+            print(f"taking over the run from a driver that is gone ({holder.describe(now)})", file=sys.stderr)
+        storage.write_json(self.uri, asdict(self._me()))
+        holder = self.holder()
+        if holder is None or holder.token != self.token:  # another driver wrote in between: it wins
+            raise RunOwnedError(self._owned_message(holder, now) if holder else f"{self.uri} vanished")
+
+    def _owned_message(self, holder: Owner, now: float) -> str:
+        return (
+            f"run {os.path.dirname(self.uri)} is being trained by another driver ({holder.describe(now)}); "
+            f"use another run.name, or wait: a lease without heartbeat for run.lease_stale_after_s "
+            f"({self.stale_after_s:.0f} s) is taken over"
+        )
+
+    def _renew_until_stopped(self) -> None:
+        while not self._stop.wait(self.stale_after_s / 5):
+            holder = self.holder()
+            if holder is None or holder.token != self.token:
+                taker = holder.describe(time.time()) if holder else "none: the lease file was deleted"
+                print(f"error: this driver lost the lease of its run to another ({taker}); stopping", file=sys.stderr)
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # as Ctrl-C would
+                return
+            storage.write_json(self.uri, asdict(self._me()))
+
+    def release(self) -> None:
+        """Stop the heartbeat and delete the lease, if it is still ours."""
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
+        holder = self.holder()
+        if holder is not None and holder.token == self.token:
+            storage.delete_file(self.uri)
+
+    def __enter__(self) -> "Lease":
+        self.acquire()
+        self._heartbeat = threading.Thread(target=self._renew_until_stopped, name="raywright-lease", daemon=True)
+        self._heartbeat.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()

@@ -1,0 +1,64 @@
+"""A run's side files (metrics, the sample log, TensorBoard events) in ``<run>/``, wherever the run lives.
+
+Local storage is appended to in place. Object storage has no append: the writer keeps a node-local copy,
+started from what the run's storage already holds (a writer on another node, such as rank 0 after a
+restart, continues the file), and uploads it whole when the caller flushes (the metrics recorder every
+half minute and at the end, the sample log at each checkpoint and at the end).
+"""
+
+import hashlib
+import json
+import os
+import tempfile
+from typing import Any
+
+from train import storage
+
+
+def node_local_copy(uri: str) -> str:
+    """The path of this node's copy of a remote run file or directory."""
+    key = hashlib.sha256(uri.encode()).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), "raywright-run-files", key, os.path.basename(uri.rstrip("/")))
+
+
+class JsonlLog:
+    """Append-only JSON lines at ``uri``."""
+
+    def __init__(self, uri: str):
+        self.uri = uri
+        self.remote = not storage.is_local(uri)
+        self.path = node_local_copy(uri) if self.remote else storage.resolve(uri)[1]
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        if self.remote:
+            with open(self.path, "wb") as f:
+                f.write(storage.read_bytes(uri) if storage.exists(uri) else b"")
+
+    def append(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def flush(self) -> None:
+        """Make everything appended so far visible at ``uri``."""
+        if self.remote:
+            with open(self.path, "rb") as f:
+                storage.write_bytes(self.uri, f.read())
+
+
+def read_jsonl(uri: str) -> list[dict[str, Any]]:
+    if not storage.exists(uri):
+        return []
+    return [json.loads(line) for line in storage.read_bytes(uri).decode().splitlines()]
+
+
+def local_dir_for(uri: str) -> str:
+    """A local directory to write ``uri``'s files in: itself, or a node-local copy to upload with
+    ``upload_dir``."""
+    path = node_local_copy(uri) if not storage.is_local(uri) else storage.resolve(uri)[1]
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def upload_dir(local: str, uri: str) -> None:
+    """Copy a directory from ``local_dir_for(uri)`` to ``uri`` (nothing to do for local storage)."""
+    if not storage.is_local(uri):
+        storage.copy_dir(local, uri)
