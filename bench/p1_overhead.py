@@ -21,7 +21,7 @@ import torch
 
 from train.config import load_config
 from train.data import load_split
-from train.launch import ensure_dataset, init_ray, run_uri, run_training
+from train.launch import ensure_dataset, init_ray, run_training, run_uri
 from train.metrics import read_metrics
 from train.model import GPT
 from train.schedule import lr_at

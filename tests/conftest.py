@@ -21,6 +21,7 @@ from train.tokenizer import ByteTokenizer
 # What the serving tests' model learns by heart: ASCII and 2-, 3- and 4-byte UTF-8 characters.
 MEMORIZED_TEXT = "Grüße aus Köln: 3 € für ☕ und 🚀. "
 
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -20,7 +20,7 @@ import pytest
 from cluster.drain import drain_node
 from train.config import load_config
 from train.data import load_manifest, prepare
-from train.launch import run_uri, run_training
+from train.launch import run_training, run_uri
 from train.loader import SampleOrder
 from train.timeline import progress_of
 

@@ -10,7 +10,7 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 
 from train import checkpoint, storage
 from train.export import load_exported
-from train.launch import run_uri, run_training
+from train.launch import run_training, run_uri
 from train.metrics import read_metrics
 
 pytestmark = pytest.mark.cluster

@@ -238,7 +238,10 @@ def _write_dataset(out: str, tokens, tokenizer: BPETokenizer, seq_len: int, sour
         sequences = sum(pq.read_metadata(f"{out_path}/{s}", filesystem=out_fs).num_rows for s in shards)
         manifest[split] = {"shards": shards, "sequences": sequences}
         if manifest[split]["sequences"] == 0:
-            raise ValueError(f"data.source: {source!r} gives no {split} sequence of {seq_len + 1} tokens")
+            raise ConfigError(
+                f"data.source: {source!r} gives no {split} sequence of {seq_len + 1} tokens "
+                f"(give more text, or change data.val_fraction)"
+            )
     return manifest
 
 

@@ -52,7 +52,8 @@ def format_progress(m: dict[str, Any], max_steps: int) -> str:
 class MetricsRecorder(UserCallback):
     """Appends rank 0's reported metrics to ``<run>/metrics.jsonl`` and TensorBoard in ``<run>/tensorboard``.
 
-    On object storage both are uploaded every ``UPLOAD_EVERY_S``, at the last step and after a failure.
+    On object storage both are uploaded every ``UPLOAD_EVERY_S``, with every checkpoint (so a driver
+    killed outright loses only reports that its resume redoes), at the last step and after a failure.
     """
 
     UPLOAD_EVERY_S = 30.0
@@ -77,7 +78,8 @@ class MetricsRecorder(UserCallback):
                 if isinstance(value, (int, float)) and key != "step":
                     writer.add_scalar(key, value, record["step"])
             writer.flush()
-        if record["step"] >= self.max_steps or time.monotonic() - self._uploaded >= self.UPLOAD_EVERY_S:
+        due = time.monotonic() - self._uploaded >= self.UPLOAD_EVERY_S
+        if due or "checkpoint" in record or record["step"] >= self.max_steps:
             self._upload()
 
     def after_exception(self, run_context, worker_exceptions) -> None:

@@ -1,0 +1,116 @@
+"""The whole path on object storage (a moto S3 server on 127.0.0.1), as a user runs it: a corpus in a bucket
+is prepared there, trained on 2 workers with checkpoints in the bucket, the driver is killed outright, the
+run is resumed on 1 worker from the bucket, exported to it, and served from ``s3://``."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import pytest
+import requests
+from ray import serve
+
+from serve.app import build_app
+from train import checkpoint, storage
+from train.launch import ELASTIC_SUMMARY
+from train.lease import LEASE
+from train.metrics import read_metrics
+
+pytestmark = pytest.mark.cluster
+
+MAX_STEPS = 12
+
+
+def _train_command(root: str, address: str, workers: int) -> list[str]:
+    settings = {
+        "run.ray_address": address,
+        "run.storage_path": f"{root}/runs",
+        "run.name": "on-s3",
+        "run.log_every": 2,
+        "run.eval_every": 6,
+        "run.eval_samples": 16,
+        "data.source": f"{root}/corpus/**/*.py",
+        "data.tokenizer": "byte",
+        "data.val_fraction": 0.2,
+        "scaling.num_workers": workers,
+        "optim.max_steps": MAX_STEPS,
+        "checkpoint.every_steps": 4,
+        "checkpoint.keep_last": 1,
+    }
+    return [
+        sys.executable,
+        "-m",
+        "train",
+        *[arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")],
+    ]
+
+
+def _checkpoint_reported(run_uri: str) -> bool:
+    return any("checkpoint" in m for m in read_metrics(run_uri))
+
+
+def test_a_run_in_a_bucket_survives_its_driver_killed_resumes_at_another_size_and_serves_from_it(
+    ray_session, s3_bucket, tmp_path
+):
+    root = f"{s3_bucket}/e2e-{time.time_ns()}"
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for package in ("json", "email"):
+        for source in sorted((stdlib / package).glob("*.py")):
+            storage.write_bytes(f"{root}/corpus/{package}/{source.name}", source.read_bytes())
+    run_uri = f"{root}/runs/on-s3"
+    env = {**os.environ, "RAY_ADDRESS": ""}
+
+    # 1. Prepare and train on 2 workers; kill the driver (SIGKILL: no cleanup) once a checkpoint is complete
+    # and reported (its report uploads the metrics so far).
+    with open(tmp_path / "first.log", "w") as log:
+        first = subprocess.Popen(
+            _train_command(root, ray_session.address, 2), cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+        deadline = time.time() + 300
+        while not _checkpoint_reported(run_uri) and first.poll() is None and time.time() < deadline:
+            time.sleep(0.5)
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    killed_at = checkpoint.latest_complete(run_uri)
+    assert killed_at is not None and killed_at["world_size"] == 2, (tmp_path / "first.log").read_text()[-3000:]
+    assert killed_at["step"] < MAX_STEPS
+    assert storage.read_json(f"{run_uri}/{LEASE}")["pid"] == first.pid  # it died holding the run
+
+    # 2. Resubmitted on 1 worker: takes the dead driver's lease, converts the 2-worker checkpoint, finishes.
+    second = subprocess.run(
+        _train_command(root, ray_session.address, 1), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    output = second.stdout + second.stderr
+    assert second.returncode == 0, output[-4000:]
+    assert "taking over the run from a driver that is gone" in output
+    assert f"resumed from {killed_at['uri']} at step {killed_at['step']} on 1 workers, converted from 2" in output
+    final = checkpoint.latest_complete(run_uri)
+    assert (final["step"], final["world_size"]) == (MAX_STEPS, 1)
+    assert storage.list_dir(f"{run_uri}/{checkpoint.CHECKPOINTS}") == [os.path.basename(final["uri"])]  # keep_last 1
+
+    # Side files are in the bucket, both drivers' reports in one metrics file; nothing is left on the driver's disk.
+    steps = [m["step"] for m in read_metrics(run_uri) if "loss" in m]
+    assert steps[0] == 1 and steps[-1] == MAX_STEPS and len(steps) > MAX_STEPS // 2
+    assert storage.read_json(f"{run_uri}/{ELASTIC_SUMMARY}")["world_size_timeline"]  # the resumed driver's
+    assert not storage.exists(f"{run_uri}/{LEASE}")  # released at the end
+    assert not (tmp_path / "runs").exists()
+
+    # 3. Served from the bucket.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(build_app({"checkpoint": f"{run_uri}/export", "cpus_per_replica": 0.25}), name="s3", route_prefix="/")
+        answer = requests.post(
+            f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "import json", "max_tokens": 8}, timeout=60
+        )
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["model"] == "on-s3"
+    finally:
+        serve.shutdown()
