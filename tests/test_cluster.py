@@ -179,7 +179,7 @@ def test_the_drainer_waits_out_an_unreachable_metadata_service_checkpoints_on_re
         server = ThreadingHTTPServer(("127.0.0.1", port), FakeImds)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         FakeImds.rebalance = {"noticeTime": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
-        wait_for_condition(lambda: latest_checkpoint_request() > started, timeout=20)
+        wait_for_condition(lambda: latest_checkpoint_request("s3://any/run") > started, timeout=20)
         assert watcher.is_alive() and node.node_id not in ray._private.state.state.get_draining_nodes()
         deadline = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=60)
         FakeImds.notice = {"action": "terminate", "time": deadline.strftime("%Y-%m-%dT%H:%M:%SZ")}

@@ -1,10 +1,13 @@
-"""An early checkpoint asked of every training run on the cluster, through Ray's KV store.
+"""Early checkpoints asked of training runs, and the time of each run's latest one, through Ray's KV store.
 
-The spot drainer asks on a rebalance recommendation; rank 0 of each run reads the request at its
-pre-emption polls and the run checkpoints once, unless a checkpoint already followed the request.
+The spot drainer asks every run on the cluster (a rebalance recommendation); the scaling policy asks one
+run, before it restarts the run at a larger size (train/scaling_policy.py). Rank 0 reads both requests at
+its pre-emption polls and the run checkpoints once, unless a checkpoint already followed the request;
+after every checkpoint rank 0 records its time, which tells the scaling policy its request was answered.
 Kept free of torch: the drainer imports it.
 """
 
+import hashlib
 import time
 
 from ray.experimental import internal_kv
@@ -12,13 +15,37 @@ from ray.experimental import internal_kv
 CHECKPOINT_REQUEST_KEY = b"raywright/checkpoint-request"  # in Ray's KV store: the time of the latest request
 
 
-def latest_checkpoint_request() -> float:
-    """When an early checkpoint was last requested on this cluster (0: never), e.g. by the spot drainer
-    after a rebalance recommendation."""
-    value = internal_kv._internal_kv_get(CHECKPOINT_REQUEST_KEY)
+def _run_key(kind: str, run_uri: str) -> bytes:
+    return f"raywright/{kind}/{hashlib.sha256(run_uri.encode()).hexdigest()[:16]}".encode()
+
+
+def _time_at(key: bytes) -> float:
+    value = internal_kv._internal_kv_get(key)
     return float(value) if value else 0.0
 
 
-def request_checkpoint() -> None:
-    """Ask every training run on this cluster for an early checkpoint (at its next pre-emption poll)."""
-    internal_kv._internal_kv_put(CHECKPOINT_REQUEST_KEY, str(time.time()).encode(), overwrite=True)
+def _put_time(key: bytes, when: float) -> None:
+    internal_kv._internal_kv_put(key, str(when).encode(), overwrite=True)
+
+
+def latest_checkpoint_request(run_uri: str) -> float:
+    """When an early checkpoint was last asked of this run or of every run (0: never)."""
+    return max(_time_at(CHECKPOINT_REQUEST_KEY), _time_at(_run_key("checkpoint-request", run_uri)))
+
+
+def request_checkpoint(run_uri: str | None = None) -> float:
+    """Ask the run at ``run_uri`` (None: every training run on this cluster) for an early checkpoint, taken
+    at its next pre-emption poll; returns the request's time."""
+    now = time.time()
+    _put_time(_run_key("checkpoint-request", run_uri) if run_uri else CHECKPOINT_REQUEST_KEY, now)
+    return now
+
+
+def record_checkpoint(run_uri: str, when: float) -> None:
+    """Rank 0, after each complete checkpoint of the run."""
+    _put_time(_run_key("checkpoint-saved", run_uri), when)
+
+
+def latest_checkpoint_time(run_uri: str) -> float:
+    """When the run's latest checkpoint completed, as recorded in this Ray cluster (0: none yet)."""
+    return _time_at(_run_key("checkpoint-saved", run_uri))

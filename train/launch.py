@@ -14,7 +14,7 @@ import ray
 from ray.train import FailureConfig
 from ray.train import RunConfig as RayRunConfig
 from ray.train import ScalingConfig as RayScalingConfig
-from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.torch import TorchConfig
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from train import checkpoint, storage
@@ -25,6 +25,7 @@ from train.lease import Lease
 from train.loop import train_loop
 from train.metrics import MetricsRecorder, read_metrics
 from train.preflight import check_dataset_matches, cluster_address
+from train.scaling_policy import ElasticTorchTrainer
 from train.schema import replace
 from train.timeline import TIMELINE_PREFIX, RunTimeline
 
@@ -158,12 +159,12 @@ def loop_args(cfg: TrainConfig, data_path: str, manifest: dict, timeline: str | 
 
 def build_trainer(
     cfg: TrainConfig, data_path: str, manifest: dict, timeline: str | None = None, callbacks: list = ()
-) -> TorchTrainer:
+) -> ElasticTorchTrainer:
     """The TorchTrainer for ``cfg``; ``callbacks`` are added to raywright's metrics recorder."""
     set_ray_train_env(cfg)
     scaling = cfg.scaling
     num_workers = scaling.num_workers if isinstance(scaling.num_workers, int) else tuple(scaling.num_workers)
-    return TorchTrainer(
+    return ElasticTorchTrainer(
         train_loop,
         train_loop_config=loop_args(cfg, data_path, manifest, timeline),
         scaling_config=RayScalingConfig(

@@ -22,7 +22,7 @@ from train.config import config_from_dict
 from train.data import load_split
 from train.decisions import Notice, Rank0View, StepPolicy, share_rank0_view
 from train.ds_config import build_ds_config
-from train.early_checkpoint import latest_checkpoint_request
+from train.early_checkpoint import latest_checkpoint_request, record_checkpoint
 from train.export import export_model, export_uri
 from train.hf_gpt2 import load_weights
 from train.loader import SampleOrder, micro_batch_samples
@@ -230,7 +230,7 @@ def train_loop(
                 notice = Notice(deadline=info.deadline_ms / 1000 if info.deadline_ms else None)
         view = None
         if poll or policy.needs_view():
-            requested = latest_checkpoint_request() if poll and rank == 0 else 0.0
+            requested = latest_checkpoint_request(run_uri) if poll and rank == 0 else 0.0
             mine = Rank0View(time.time(), last_save, step_seconds, save_seconds, requested)
             view = share_rank0_view(mine, engine.device)
         decision = policy.decide(step, notice, view)
@@ -250,6 +250,8 @@ def train_loop(
             )
             last_save = time.time()
             save_seconds = last_save - save_start
+            if rank == 0:
+                record_checkpoint(run_uri, last_save)
             if sample_log:
                 sample_log.flush()
             metrics.update(step=step, checkpoint=uri)
