@@ -1,18 +1,21 @@
-"""P4 recovery seconds and P4g goodput of an elastic run on a simulated cluster.
+"""P4 recovery seconds and P4g goodput of elastic runs on a simulated cluster.
 
-    python bench/elastic.py [--notice-s 20] [--zero-stage 2] [--max-steps 400]
+    python bench/elastic.py recovery [--notice-s 20] [--zero-stage 2] [--max-steps 400]
+    python bench/elastic.py goodput [--minutes 30] [--preempt-every-min 10] [--notice-s 120] [--return-after-s 60]
 
-A head plus three one-worker spot nodes run the tiny recipe elastically between 2 and 3
-workers, through the three events of a spot cluster: a node killed without notice (P4: seconds
-from the kill to the first finished step after the resume), a replacement node joining (the run
-grows back), and a pre-emption notice (the node is drained with a ``--notice-s`` deadline, as
-the spot drainer does with EC2's notice; the run takes a just-in-time checkpoint and shrinks).
+A head plus three one-worker spot nodes run the tiny recipe elastically between 2 and 3 workers.
 
-Goodput = time on optimizer steps that count / wall time, from the run's timeline. The run
-here is short, so start-up and export weigh heavily in the measured figure. The figure for one
-pre-emption every N minutes is extrapolated from the measured costs: each pre-emption costs a
-shrink and, when capacity returns, a grow, so
-goodput(N) = goodput between restarts x (1 - (seconds lost to pre-emption + to grow) / (60 N)).
+``recovery`` plays the three events of a spot cluster once each: a node killed without notice (P4:
+seconds from the kill to the first finished step after the resume), a replacement node joining (the
+run grows back, from a checkpoint taken for it), and a pre-emption notice (the node is drained with a
+``--notice-s`` deadline, as the spot drainer does with EC2's notice; the run takes a just-in-time
+checkpoint and a last one before the deadline, and shrinks).
+
+``goodput`` (P4g) trains for ``--minutes`` with a pre-emption every ``--preempt-every-min`` minutes:
+each drains a node with EC2's two-minute notice, the node goes at the deadline, and a replacement
+joins ``--return-after-s`` later, as a spot autoscaler would bring one. Checkpoints every 5 minutes,
+as a spot run would set them. Goodput = time on optimizer steps that count / wall time since the
+first worker group started, measured over the whole window (not extrapolated).
 """
 
 import argparse
@@ -28,7 +31,7 @@ from ray.cluster_utils import Cluster
 from cluster.drain import drain_node
 from train.config import load_config
 from train.launch import run_training
-from train.timeline import progress_of
+from train.timeline import progress_of, timeline_of
 
 SLOT = "bench_worker_slot"
 
@@ -43,38 +46,57 @@ def wait_for(name: str, condition, run_thread: threading.Thread, timeout: float 
     raise RuntimeError(f"run {name} did not reach the expected state: {progress_of(name)}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--notice-s", type=float, default=20.0, help="pre-emption deadline (EC2 gives 120 s)")
-    parser.add_argument("--zero-stage", type=int, default=2)
-    parser.add_argument("--max-steps", type=int, default=400)
-    args = parser.parse_args()
-
+def start_cluster() -> tuple[Cluster, list]:
     os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = "1"
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     ray.init(address=cluster.address)
-    nodes = [cluster.add_node(num_cpus=1, resources={SLOT: 1, "spot": 1}) for _ in range(3)]
-    cfg = load_config(
+    return cluster, [add_spot_node(cluster) for _ in range(3)]
+
+
+def add_spot_node(cluster: Cluster):
+    return cluster.add_node(num_cpus=1, resources={SLOT: 1, "spot": 1})
+
+
+def bench_config(zero_stage: int, max_steps: int, *overrides: str):
+    return load_config(
         "tiny",
         [
             f"run.storage_path={tempfile.mkdtemp(prefix='rw-elastic-')}",
             "run.name=elastic-bench",
-            f"deepspeed.zero_stage={args.zero_stage}",
+            f"deepspeed.zero_stage={zero_stage}",
             "scaling.num_workers=[2,3]",
             f"scaling.resources_per_worker={{{SLOT}: 1}}",
             "scaling.resize_check_interval_s=5",
             "optim.global_batch_size=24",
             "optim.micro_batch_size=4",
-            f"optim.max_steps={args.max_steps}",
-            "checkpoint.every_steps=50",
+            f"optim.max_steps={max_steps}",
             "run.log_every=25",
-            f"run.eval_every={args.max_steps}",
+            f"run.eval_every={max_steps}",
             "cost.price_per_hour={spot: 1.0, ondemand: 3.0}",
+            *overrides,
         ],
     )
+
+
+def start_run(cfg) -> tuple[threading.Thread, list]:
     result = []
-    run = threading.Thread(target=lambda: result.append(run_training(cfg)))
+    run = threading.Thread(target=lambda: result.append(run_training(cfg)), daemon=True)
     run.start()
+    return run, result
+
+
+def preempt(cluster: Cluster, nodes: list, notice_s: float) -> None:
+    """Drain the oldest spot node with a deadline; at the deadline the cloud takes it away."""
+    node = nodes.pop(0)
+    drain_node(node.node_id, deadline_s=notice_s)
+    time.sleep(notice_s)  # nothing else ends a drained node here
+    cluster.remove_node(node, allow_graceful=False)
+
+
+def recovery(args: argparse.Namespace) -> dict:
+    cluster, nodes = start_cluster()
+    cfg = bench_config(args.zero_stage, args.max_steps, "checkpoint.every_steps=50")
+    run, result = start_run(cfg)
     name = cfg.run.name
 
     at = wait_for(name, lambda p: p["world_size"] == 3 and p["step"] >= 30, run)
@@ -82,38 +104,65 @@ def main() -> None:
     cluster.remove_node(nodes.pop(), allow_graceful=False)
     first_step_after = wait_for(name, lambda p: p["attempts"] == at["attempts"] + 1 and p["step"] >= 1, run)
     p4 = time.time() - killed
-    nodes.append(cluster.add_node(num_cpus=1, resources={SLOT: 1, "spot": 1}))
+    nodes.append(add_spot_node(cluster))
     at = wait_for(name, lambda p: p["world_size"] == 3 and p["attempts"] > first_step_after["attempts"], run)
 
     at = wait_for(name, lambda p, a=at: p["step"] >= a["step"] + 40, run)
-    drain_node(nodes[0].node_id, deadline_s=args.notice_s)
-    # At the deadline the cloud takes the instance away; nothing else ends a drained node here.
-    time.sleep(args.notice_s)
-    cluster.remove_node(nodes.pop(0), allow_graceful=False)
+    preempt(cluster, nodes, args.notice_s)
     wait_for(name, lambda p, a=at: p["attempts"] == a["attempts"] + 1 and p["world_size"] == 2, run)
     run.join()
     elastic = result[0].elastic
-
-    resizes = elastic["resizes"]
-    lost = {r["reason"]: r["seconds_lost"] for r in resizes}
-    cycle_cost = lost["preemption"] + lost["capacity returned"]
-    steady = elastic["step_s"] / (elastic["wall_s"] - sum(r["seconds_lost"] for r in resizes))
-    report = {
+    cluster.shutdown()
+    return {
         "P4_node_loss_to_first_step_s": p4,
-        "resizes": resizes,
+        "resizes": elastic["resizes"],
         "steps_redone_per_restart": elastic["steps_redone"] / max(1, elastic["restarts"]),
         "goodput_measured": elastic["goodput"],
         "wall_s": elastic["wall_s"],
-        "seconds_lost_per_preemption_and_return": cycle_cost,
-        "goodput_between_restarts": steady,
-        "goodput_one_preemption_per_10_min": steady * (1 - cycle_cost / 600),
-        "goodput_one_preemption_per_30_min": steady * (1 - cycle_cost / 1800),
-        "cost": elastic.get("cost"),
-        "cost_on_demand_only": elastic.get("cost_on_demand_only"),
+        "checkpoints": elastic["checkpoints"],
     }
-    print(json.dumps(report, indent=2))
-    ray.shutdown()
-    cluster.shutdown()
+
+
+def goodput(args: argparse.Namespace) -> dict:
+    cluster, nodes = start_cluster()
+    cfg = bench_config(args.zero_stage, 10**7, "checkpoint.every_steps=0", "checkpoint.every_minutes=5")
+    run, _ = start_run(cfg)
+    name = cfg.run.name
+    wait_for(name, lambda p: p["world_size"] == 3 and p["step"] >= 1, run)
+    started = time.time()
+    for k in range(1, int(args.minutes // args.preempt_every_min) + 1):
+        time.sleep(max(0.0, started + 60 * k * args.preempt_every_min - args.notice_s - time.time()))
+        preempt(cluster, nodes, args.notice_s)  # the node goes at minute k * N
+        time.sleep(args.return_after_s)
+        nodes.append(add_spot_node(cluster))
+    time.sleep(max(0.0, started + 60 * args.minutes - time.time()))
+    elastic = ray.get(timeline_of(name).summary.remote())
+    return {
+        "P4g_goodput": elastic["goodput"],
+        "wall_s": elastic["wall_s"],
+        "step_s": elastic["step_s"],
+        "resizes": elastic["resizes"],
+        "checkpoints": elastic["checkpoints"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("scenario", choices=["recovery", "goodput"])
+    parser.add_argument("--zero-stage", type=int, default=2)
+    parser.add_argument("--notice-s", type=float, help="pre-emption deadline (default: 20 recovery, 120 goodput)")
+    parser.add_argument("--max-steps", type=int, default=400, help="recovery: the run's length")
+    parser.add_argument("--minutes", type=float, default=30, help="goodput: the measured window")
+    parser.add_argument("--preempt-every-min", type=float, default=10)
+    parser.add_argument("--return-after-s", type=float, default=60, help="goodput: a replacement node joins after")
+    args = parser.parse_args()
+    if args.scenario == "recovery":
+        args.notice_s = args.notice_s or 20.0
+        print(json.dumps(recovery(args), indent=2))
+    else:
+        args.notice_s = args.notice_s or 120.0
+        print(json.dumps(goodput(args), indent=2), flush=True)
+        os._exit(0)  # the run is still training: leave it with the simulated cluster
 
 
 if __name__ == "__main__":

@@ -133,10 +133,10 @@ def test_shrink_grow_and_preemption_keep_the_numbers_exact(stage, ray_cluster, w
     # resumes from that last one (or a periodic one that fell due after it): the steps trained while
     # the node drained are not lost.
     assert len(jit) == 1 and len(last) == 1 and last[0] > jit[0]
-    # Growing back restarts from a checkpoint taken for it, not from the last periodic one.
-    grown = elastic["resizes"][1]
-    requested = [c["step"] for c in elastic["checkpoints"] if c["reason"] == "requested"]
-    assert grown["at_step"] in requested and grown["steps_redone"] < 10, (grown, elastic["checkpoints"])
+    # Growing back waits for a checkpoint newer than the decision (asked for, or a periodic one that fell
+    # due first), then restarts within a control-loop tick: a step or two is redone, where Ray alone
+    # restarts from the last periodic checkpoint (up to checkpoint.every_steps - 1 redone).
+    assert elastic["resizes"][1]["steps_redone"] <= 4, elastic["resizes"][1]
     resumed = elastic["resizes"][2]["at_step"]
     assert resumed >= last[0] and resumed in {c["step"] for c in elastic["checkpoints"]}
     assert all(r["seconds_lost"] > 0 for r in elastic["resizes"])

@@ -30,6 +30,7 @@ from train.metrics import format_progress, memory_gb, peak_tflops
 from train.model import GPT, flops_per_token
 from train.run_files import JsonlLog
 from train.schedule import lr_at
+from train.timeline import describe_resize
 from train.tokenizer import load_tokenizer
 
 SAMPLE_LOG = "samples.jsonl"
@@ -111,17 +112,22 @@ def train_loop(
     torch.set_num_threads(cfg.scaling.cpus_per_worker)
     rank, world = dist.get_rank(), dist.get_world_size()
     timeline = ray.get_actor(args["timeline"]) if args.get("timeline") and rank == 0 else None
+    startup = {"entered": time.time()}  # where a (re)start's seconds go, for the timeline's resize record
 
     tokenizer = load_tokenizer(args["data_path"])
     train_rows = load_split(args["data_path"], "train")
     val_rows = load_split(args["data_path"], "val")[: cfg.run.eval_samples]
     order = SampleOrder(len(train_rows), cfg.run.seed)
+    startup["data_s"] = time.time() - startup["entered"]
 
     latest = checkpoint.latest_complete(run_uri)
     universal = latest is not None and checkpoint.needs_universal(latest, world)
+    mark = time.time()
     if universal:
         checkpoint.convert_to_universal(latest)
+    startup["convert_s"] = time.time() - mark
 
+    mark = time.time()
     torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
     model = GPT(cfg.model)
     if cfg.model.init_from and latest is None:
@@ -131,10 +137,13 @@ def train_loop(
         model=model, model_parameters=model.parameters(), config=ds_config, dist_init_required=False
     )
     grad_accum = ds_config["gradient_accumulation_steps"]
+    startup["engine_s"] = time.time() - mark
 
     step = 0
     if latest is not None:
+        mark = time.time()
         checkpoint.load(engine, latest, universal)
+        startup["load_s"] = time.time() - mark
         step = latest["step"]
         if rank == 0:
             via = f", converted from {latest['world_size']} workers" if universal else ""
@@ -145,7 +154,7 @@ def train_loop(
     node_ids = [None] * world
     dist.all_gather_object(node_ids, ray.get_runtime_context().get_node_id())
     if timeline:
-        timeline.attempt_started.remote(world, node_ids, step)
+        timeline.attempt_started.remote(world, node_ids, step, startup)
 
     peak = peak_tflops(cfg.run.peak_tflops)
     tokens_per_step = optim.global_batch_size * cfg.model.seq_len
@@ -212,11 +221,7 @@ def train_loop(
             window_loss, window_steps, window_time = 0.0, 0, 0.0
         resize = ray.get(timeline.latest_resize.remote()) if step == first_step and timeline else None
         if resize:
-            print(
-                f"resize {resize['from']} -> {resize['to']} workers ({resize['reason']}): "
-                f"{resize.get('seconds_lost', 0.0):.1f} s lost, {resize['steps_redone']} steps redone",
-                flush=True,
-            )
+            print(describe_resize(resize), flush=True)
             metrics.update({f"resize_{key}": value for key, value in resize.items()})
         # Ask Ray about pre-emption every few steps (a round trip; the same steps on every rank, which
         # its agreement across workers needs), then decide this step's evaluation and checkpoint.

@@ -37,15 +37,32 @@ class TimelineState:
 
 
 TIMELINE_PREFIX = "raywright-timeline-"
+# Where a restart's seconds go, in order; the first step after them completes the seconds lost.
+RESTART_PHASES = ("workers_up_s", "data_s", "convert_s", "engine_s", "load_s")
+
+
+def timeline_of(run_name: str):
+    """The RunTimeline actor of a running run, or None."""
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    name = next((n for n in names if n.startswith(f"{TIMELINE_PREFIX}{run_name}-")), None)
+    return ray.get_actor(name) if name else None
 
 
 def progress_of(run_name: str) -> dict[str, Any]:
     """Attempts, world size and last step of a running run (for tests, benchmarks, dashboards)."""
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
-    name = next((n for n in names if n.startswith(f"{TIMELINE_PREFIX}{run_name}-")), None)
-    if name is None:
+    timeline = timeline_of(run_name)
+    if timeline is None:
         return {"attempts": 0, "world_size": None, "step": -1}
-    return ray.get(ray.get_actor(name).progress.remote())
+    return ray.get(timeline.progress.remote())
+
+
+def describe_resize(resize: dict[str, Any]) -> str:
+    """``resize 3 -> 2 workers (node lost): 14.2 s lost (workers up 6.0 s, ...), 2 steps redone``."""
+    phases = ", ".join(f"{key[:-2].replace('_', ' ')} {resize[key]:.1f} s" for key in RESTART_PHASES if key in resize)
+    return (
+        f"resize {resize['from']} -> {resize['to']} workers ({resize['reason']}): "
+        f"{resize.get('seconds_lost', 0.0):.1f} s lost ({phases}), {resize['steps_redone']} steps redone"
+    )
 
 
 def node_price_type(resources: dict[str, float], prices: dict[str, float], default: str) -> str:
@@ -61,7 +78,11 @@ class Timeline:
         self.on_demand_type = on_demand_type
         self.state = TimelineState()
 
-    def attempt_started(self, world_size: int, node_ids: list[str], resumed_step: int) -> None:
+    def attempt_started(
+        self, world_size: int, node_ids: list[str], resumed_step: int, startup: dict[str, float] | None = None
+    ) -> None:
+        """``startup``: when rank 0 entered the training function (``entered``) and the seconds it then
+        spent on each phase of the start (``RESTART_PHASES``)."""
         now = time.time()
         resources = {n["NodeID"]: n["Resources"] for n in ray.nodes()}
         types = {n: node_price_type(resources.get(n, {}), self.prices, self.on_demand_type) for n in set(node_ids)}
@@ -79,6 +100,10 @@ class Timeline:
                 "steps_redone": max(0, previous.last_step - resumed_step),
                 "at_step": resumed_step,
             }
+            if startup:
+                # From the last step before the restart until the new workers ran the training function.
+                startup = {**startup, "workers_up_s": startup["entered"] - (previous.last_step_end or previous.start)}
+                attempt.resize.update({key: startup[key] for key in RESTART_PHASES if key in startup})
         self.state.attempts.append(attempt)
 
     @staticmethod
