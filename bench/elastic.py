@@ -93,8 +93,7 @@ def preempt(cluster: Cluster, nodes: list, notice_s: float) -> None:
     cluster.remove_node(node, allow_graceful=False)
 
 
-def recovery(args: argparse.Namespace) -> dict:
-    cluster, nodes = start_cluster()
+def recovery(args: argparse.Namespace, cluster: Cluster, nodes: list) -> dict:
     cfg = bench_config(args.zero_stage, args.max_steps, "checkpoint.every_steps=50")
     run, result = start_run(cfg)
     name = cfg.run.name
@@ -112,7 +111,6 @@ def recovery(args: argparse.Namespace) -> dict:
     wait_for(name, lambda p, a=at: p["attempts"] == a["attempts"] + 1 and p["world_size"] == 2, run)
     run.join()
     elastic = result[0].elastic
-    cluster.shutdown()
     return {
         "P4_node_loss_to_first_step_s": p4,
         "resizes": elastic["resizes"],
@@ -123,8 +121,7 @@ def recovery(args: argparse.Namespace) -> dict:
     }
 
 
-def goodput(args: argparse.Namespace) -> dict:
-    cluster, nodes = start_cluster()
+def goodput(args: argparse.Namespace, cluster: Cluster, nodes: list) -> dict:
     cfg = bench_config(args.zero_stage, 10**7, "checkpoint.every_steps=0", "checkpoint.every_minutes=5")
     run, _ = start_run(cfg)
     name = cfg.run.name
@@ -156,13 +153,13 @@ def main() -> None:
     parser.add_argument("--preempt-every-min", type=float, default=10)
     parser.add_argument("--return-after-s", type=float, default=60, help="goodput: a replacement node joins after")
     args = parser.parse_args()
-    if args.scenario == "recovery":
-        args.notice_s = args.notice_s or 20.0
-        print(json.dumps(recovery(args), indent=2))
-    else:
-        args.notice_s = args.notice_s or 120.0
-        print(json.dumps(goodput(args), indent=2), flush=True)
-        os._exit(0)  # the run is still training: leave it with the simulated cluster
+    args.notice_s = args.notice_s or (20.0 if args.scenario == "recovery" else 120.0)
+    cluster, nodes = start_cluster()
+    scenario = recovery if args.scenario == "recovery" else goodput
+    print(json.dumps(scenario(args, cluster, nodes), indent=2), flush=True)
+    ray.shutdown()
+    cluster.shutdown()
+    os._exit(0)  # after goodput the run's thread is still training, on a cluster that is gone
 
 
 if __name__ == "__main__":

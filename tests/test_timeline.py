@@ -1,7 +1,7 @@
 import pytest
 import ray
 
-from train.timeline import Timeline, node_price_type
+from train.timeline import Timeline, describe_resize, node_price_type
 
 
 def test_node_price_type_is_the_first_priced_resource():
@@ -19,7 +19,8 @@ def test_resizes_redone_steps_goodput_and_cost(ray_session, monkeypatch):
     timeline.attempt_started(3, [node] * 3, resumed_step=0)  # t=0
     for step in (1, 2, 3):
         timeline.step_done(step, seconds=10.0, end=10.0 * step)
-    timeline.attempt_started(2, [node] * 2, resumed_step=2)  # node lost; step 3 is redone
+    startup = {"entered": 42.0, "data_s": 1.0, "convert_s": 4.0, "engine_s": 2.0, "load_s": 1.0}
+    timeline.attempt_started(2, [node] * 2, resumed_step=2, startup=startup)  # node lost; step 3 is redone
     timeline.step_done(3, seconds=10.0, end=60.0)
     timeline.preemption_notice()
     timeline.checkpoint_saved(3, "preemption")
@@ -34,6 +35,11 @@ def test_resizes_redone_steps_goodput_and_cost(ray_session, monkeypatch):
     ]
     # From the end of the last step before (t=30) to the start of the first one after (t=60-10).
     assert summary["resizes"][0]["seconds_lost"] == pytest.approx(20.0)
+    # Where they went: 12 s until the new workers ran (t=30 -> 42), then the phases of the start.
+    assert describe_resize(summary["resizes"][0]) == (
+        "resize 3 -> 2 workers (node lost): 20.0 s lost "
+        "(workers up 12.0 s, data 1.0 s, convert 4.0 s, engine 2.0 s, load 1.0 s), 1 steps redone"
+    )
     assert summary["restarts"] == 2 and summary["steps_redone"] == 1
     assert summary["step_s"] == 40.0  # steps 1-4 once each; the first run of step 3 does not count
     assert summary["goodput"] == pytest.approx(40.0 / summary["wall_s"])
