@@ -11,11 +11,12 @@ run grows back, from a checkpoint taken for it), and a pre-emption notice (the n
 ``--notice-s`` deadline, as the spot drainer does with EC2's notice; the run takes a just-in-time
 checkpoint and a last one before the deadline, and shrinks).
 
-``goodput`` (P4g) trains for ``--minutes`` with a pre-emption every ``--preempt-every-min`` minutes:
-each drains a node with EC2's two-minute notice, the node goes at the deadline, and a replacement
-joins ``--return-after-s`` later, as a spot autoscaler would bring one. Checkpoints every 5 minutes,
-as a spot run would set them. Goodput = time on optimizer steps that count / wall time since the
-first worker group started, measured over the whole window (not extrapolated).
+``goodput`` (P4g) trains for ``--minutes`` with a pre-emption in the middle of every
+``--preempt-every-min`` minutes: each drains a node with EC2's two-minute notice, the node goes at the
+deadline, and a replacement joins ``--return-after-s`` later, as a spot autoscaler would bring one.
+Checkpoints every 5 minutes, as a spot run would set them. Goodput = time on optimizer steps that
+count / wall time since the first worker group started, measured over the whole window (not
+extrapolated).
 """
 
 import argparse
@@ -127,9 +128,11 @@ def goodput(args: argparse.Namespace, cluster: Cluster, nodes: list) -> dict:
     name = cfg.run.name
     wait_for(name, lambda p: p["world_size"] == 3 and p["step"] >= 1, run)
     started = time.time()
-    for k in range(1, int(args.minutes // args.preempt_every_min) + 1):
-        time.sleep(max(0.0, started + 60 * k * args.preempt_every_min - args.notice_s - time.time()))
-        preempt(cluster, nodes, args.notice_s)  # the node goes at minute k * N
+    for k in range(int(args.minutes // args.preempt_every_min)):
+        # The node goes mid-period (minute 5, 15, 25 of 30), so the window holds whole periods.
+        gone_at = started + 60 * (k + 0.5) * args.preempt_every_min
+        time.sleep(max(0.0, gone_at - args.notice_s - time.time()))
+        preempt(cluster, nodes, args.notice_s)
         time.sleep(args.return_after_s)
         nodes.append(add_spot_node(cluster))
     time.sleep(max(0.0, started + 60 * args.minutes - time.time()))

@@ -55,10 +55,24 @@ def test_a_time_based_checkpoint_follows_rank_0s_clock():
 
 def test_an_early_checkpoint_request_is_answered_by_the_next_checkpoint():
     steps = policy("checkpoint.every_steps=0")
-    assert steps.decide(3, None, Rank0View(200.0, 100.0, 1, 1, checkpoint_requested=150.0)).checkpoint == "requested"
+    asked = Rank0View(200.0, 100.0, 1, 1, checkpoint_requested=150.0, answered_until=100.0)
+    assert steps.decide(3, None, asked).checkpoint == "requested"
     # Saved at 205: the same request is answered; an older one (before the run's start) never counts.
-    assert steps.decide(4, None, Rank0View(210.0, 205.0, 1, 1, checkpoint_requested=150.0)).checkpoint == ""
-    assert policy().decide(1, None, Rank0View(10.0, 5.0, 1, 1, checkpoint_requested=4.0)).checkpoint == ""
+    answered = Rank0View(210.0, 205.0, 1, 1, checkpoint_requested=150.0, answered_until=205.0)
+    assert steps.decide(4, None, answered).checkpoint == ""
+    assert (
+        policy().decide(1, None, Rank0View(10.0, 5.0, 1, 1, checkpoint_requested=4.0, answered_until=5.0)).checkpoint
+        == ""
+    )
+
+
+def test_a_request_made_before_a_restart_is_answered_after_it():
+    """Asked at 250 (e.g. a grow, or a rebalance), the run restarted at 290 from its checkpoint of 200:
+    the restart did not answer the request, a checkpoint of the resumed run does."""
+    resumed = Rank0View(
+        now=300.0, last_save=290.0, step_seconds=1, save_seconds=1, checkpoint_requested=250.0, answered_until=200.0
+    )
+    assert policy("checkpoint.every_steps=0").decide(1, None, resumed).checkpoint == "requested"
 
 
 def _decide_on_rank(rank: int, port: int, results) -> None:

@@ -2,16 +2,22 @@
 
 import json
 import logging
+import os
 import shutil
+import signal
+import threading
+import time
 
 import pytest
 import torch
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+from ray._common.test_utils import wait_for_condition
 
 from train import checkpoint, storage
 from train.export import load_exported
 from train.launch import run_training, run_uri
 from train.metrics import read_metrics
+from train.timeline import progress_of
 
 pytestmark = pytest.mark.cluster
 
@@ -101,9 +107,13 @@ def test_restore_at_another_world_size_with_offload_is_exact(tiny_config):
     cfg = tiny_config(*overrides)
     first = run_training(cfg)
     shutil.rmtree(checkpoint.checkpoint_uri(first.run_dir, 12))
+    # A conversion killed midway left a partial result (no done.json): it is redone, never loaded.
+    partial = f"{checkpoint.checkpoint_uri(first.run_dir, 6)}/{checkpoint.UNIVERSAL}"
+    storage.write_bytes(f"{partial}/zero/cut-short.pt", b"half")
 
     resumed = run_training(tiny_config(*overrides, "scaling.num_workers=1"))
     assert resumed.steps == 12
+    assert storage.exists(f"{partial}/done.json") and not storage.exists(f"{partial}/zero/cut-short.pt")
     with open(f"{run_uri(cfg)}/samples.jsonl") as f:
         records = [json.loads(line) for line in f]
     uninterrupted = {r["step"]: r["loss"] for r in records[:12]}
@@ -111,3 +121,53 @@ def test_restore_at_another_world_size_with_offload_is_exact(tiny_config):
     assert [(r["step"], r["world_size"]) for r in after] == [(s, 1) for s in range(7, 13)]
     for r in after:  # Adam moments and step counts came through the conversion
         assert r["loss"] == pytest.approx(uninterrupted[r["step"]], abs=1e-5)
+
+
+def _worker_pids() -> list[int]:
+    from ray.util.state import list_actors
+
+    alive = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+    return [actor.pid for actor in alive]
+
+
+def _kill_a_worker_while_a_checkpoint_is_written(run: str, deadline: float) -> int:
+    """SIGKILL a training worker while a step directory holds shards but no metadata; returns the step."""
+    root = f"{run}/{checkpoint.CHECKPOINTS}"
+    pids = _worker_pids()
+    while time.time() < deadline:
+        for name in storage.list_dir(root):
+            step_dir = f"{root}/{name}"
+            if name.startswith("step_") and os.listdir(step_dir) and not os.path.exists(f"{step_dir}/metadata.json"):
+                os.kill(pids[-1], signal.SIGKILL)
+                return int(name.removeprefix("step_"))
+        time.sleep(0.002)
+    raise AssertionError(f"no checkpoint was being written in {root}")
+
+
+def test_a_worker_killed_mid_checkpoint_then_a_second_failure_resume_from_complete_checkpoints(tiny_config):
+    """keep_last 1: the half-written checkpoint neither counts as latest nor as the one kept, so a second
+    failure still resumes from a complete checkpoint (a count of directories kept only the broken one)."""
+    cfg = tiny_config(
+        "run.name=killed",
+        "optim.max_steps=40",
+        "checkpoint.every_steps=4",
+        "checkpoint.keep_last=1",
+        "run.log_every=4",
+        "run.eval_every=100",
+    )
+    result = []
+    thread = threading.Thread(target=lambda: result.append(run_training(cfg)))
+    thread.start()
+    run = run_uri(cfg)
+    wait_for_condition(lambda: progress_of(cfg.run.name)["step"] >= 5, timeout=180)  # step 4's checkpoint exists
+    killed_at = _kill_a_worker_while_a_checkpoint_is_written(run, time.time() + 60)
+    wait_for_condition(lambda: progress_of(cfg.run.name)["attempts"] == 2, timeout=120)
+    wait_for_condition(lambda: progress_of(cfg.run.name)["step"] >= killed_at + 6, timeout=120)
+    os.kill(_worker_pids()[0], signal.SIGKILL)  # the second failure, between checkpoints
+    thread.join(timeout=300)
+
+    assert result and result[0].steps == 40
+    resumed_from = [attempt["from_step"] for attempt in result[0].elastic["world_size_timeline"]]
+    # Attempt 2 resumed from the checkpoint before the broken one, attempt 3 from one written after it.
+    assert resumed_from[:2] == [0, killed_at - 4] and resumed_from[2] >= killed_at, resumed_from
+    assert storage.list_dir(f"{run}/{checkpoint.CHECKPOINTS}") == ["step_00000040"]

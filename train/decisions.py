@@ -24,12 +24,16 @@ class Rank0View:
     last_save: float  # when the last checkpoint (or the run) ended
     step_seconds: float  # of the latest step
     save_seconds: float  # of the latest checkpoint
-    checkpoint_requested: float = 0.0  # time of the latest early-checkpoint request (cluster/spot_drainer.py)
+    checkpoint_requested: float = 0.0  # time of the latest early-checkpoint request (train/early_checkpoint.py)
+    # Requests up to this time are answered: by the latest checkpoint, or, before this attempt made one,
+    # by the checkpoint it resumed from (a request between that checkpoint and the restart still counts).
+    answered_until: float = 0.0
 
 
 def share_rank0_view(mine: Rank0View, device: torch.device) -> Rank0View:
     """Rank 0's view on every rank (a collective)."""
     fields = [mine.now, mine.last_save, mine.step_seconds, mine.save_seconds, mine.checkpoint_requested]
+    fields.append(mine.answered_until)
     values = torch.tensor(fields, dtype=torch.float64).to(device)
     dist.broadcast(values, src=0)
     return Rank0View(*values.tolist())
@@ -81,7 +85,7 @@ class StepPolicy:
             if view.now >= self.deadline - margin:
                 self.deadline = None
                 return "deadline"
-        if view is not None and view.checkpoint_requested > view.last_save:  # a later checkpoint answers it
+        if view is not None and view.checkpoint_requested > view.answered_until:
             return "requested"
         if step == self.max_steps:
             return "final"

@@ -171,7 +171,8 @@ def train_loop(
     policy = StepPolicy(cfg)
     preemption_check_every = 1  # steps; set from the measured step time at each loss report
     steps_to_preemption_check = 1
-    last_save = time.time()
+    last_save = time.time()  # the time-based schedule starts with the attempt
+    answered_until = latest["time"] if latest else startup["entered"]  # early-checkpoint requests up to then
     save_seconds = 0.0
     window_loss, window_steps, window_time = 0.0, 0, 0.0  # since the last loss report
     while step < optim.max_steps:
@@ -236,7 +237,7 @@ def train_loop(
         view = None
         if poll or policy.needs_view():
             requested = latest_checkpoint_request(run_uri) if poll and rank == 0 else 0.0
-            mine = Rank0View(time.time(), last_save, step_seconds, save_seconds, requested)
+            mine = Rank0View(time.time(), last_save, step_seconds, save_seconds, requested, answered_until)
             view = share_rank0_view(mine, engine.device)
         decision = policy.decide(step, notice, view)
         if decision.evaluate:
@@ -253,7 +254,7 @@ def train_loop(
                 cfg.checkpoint.keep_last,
                 tokenizer,
             )
-            last_save = time.time()
+            last_save = answered_until = time.time()
             save_seconds = last_save - save_start
             if rank == 0:
                 record_checkpoint(run_uri, last_save)
