@@ -170,4 +170,5 @@ def test_a_worker_killed_mid_checkpoint_then_a_second_failure_resume_from_comple
     resumed_from = [attempt["from_step"] for attempt in result[0].elastic["world_size_timeline"]]
     # Attempt 2 resumed from the checkpoint before the broken one, attempt 3 from one written after it.
     assert resumed_from[:2] == [0, killed_at - 4] and resumed_from[2] >= killed_at, resumed_from
-    assert storage.list_dir(f"{run}/{checkpoint.CHECKPOINTS}") == ["step_00000040"]
+    kept = [name for name in storage.list_dir(f"{run}/{checkpoint.CHECKPOINTS}") if name.startswith("step_")]
+    assert kept == ["step_00000040"]

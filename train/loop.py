@@ -1,13 +1,14 @@
 """The per-worker training loop that Ray Train runs: DeepSpeed engine, data, metrics, checkpoints.
 
-Each (re)start of the worker group runs this function from the top: it restores the newest
-complete checkpoint (converting it if the world size changed), then trains optimizer steps
+Each (re)start of the worker group runs ``train_loop`` from the top: a ``Trainer`` restores the
+newest complete checkpoint (converting it if the world size changed), then trains optimizer steps
 ``[restored step, max_steps)`` on the samples that those steps own, whatever the world size.
 """
 
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import deepspeed
@@ -73,14 +74,6 @@ def _val_metrics(val_loss: float, tokens_per_byte: float) -> dict[str, float]:
     }
 
 
-def _report(metrics: dict[str, Any], max_steps: int, report: Callable[[dict], None]) -> None:
-    """Print a progress line from rank 0 and report (every rank reports, in step)."""
-    metrics["time"] = time.time()
-    if dist.get_rank() == 0:
-        print(format_progress(metrics, max_steps), flush=True)
-    report(metrics)
-
-
 def _log_samples(log: JsonlLog | None, step: int, my_rows: np.ndarray, my_loss: float, device: torch.device) -> None:
     """Append the dataset rows every rank trained on in ``step``, and the step's loss, to the sample log.
 
@@ -106,169 +99,232 @@ def train_loop(
     tokens_per_byte (of the dataset, for bits per byte).
     ``report`` and ``preemption_info`` default to Ray Train's; a Tune trial passes Tune's report.
     """
-    cfg = config_from_dict(args["config"])
-    run_uri = args["run_uri"]
-    optim = cfg.optim
-    torch.set_num_threads(cfg.scaling.cpus_per_worker)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    timeline = ray.get_actor(args["timeline"]) if args.get("timeline") and rank == 0 else None
-    startup = {"entered": time.time()}  # where a (re)start's seconds go, for the timeline's resize record
+    Trainer(args, report, preemption_info).run()
 
-    tokenizer = load_tokenizer(args["data_path"])
-    train_rows = load_split(args["data_path"], "train")
-    val_rows = load_split(args["data_path"], "val")[: cfg.run.eval_samples]
-    order = SampleOrder(len(train_rows), cfg.run.seed)
-    startup["data_s"] = time.time() - startup["entered"]
 
-    latest = checkpoint.latest_complete(run_uri)
-    universal = latest is not None and checkpoint.needs_universal(latest, world)
-    mark = time.time()
-    if universal:
-        checkpoint.convert_to_universal(latest)
-    startup["convert_s"] = time.time() - mark
+@dataclass
+class LossWindow:
+    """Loss and step seconds summed since the last loss report."""
 
-    mark = time.time()
-    torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
-    model = GPT(cfg.model)
-    if cfg.model.init_from and latest is None:
-        load_weights(model, cfg.model.init_from)
-    ds_config = build_ds_config(cfg, world, load_universal=universal)
-    engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=ds_config, dist_init_required=False
-    )
-    grad_accum = ds_config["gradient_accumulation_steps"]
-    startup["engine_s"] = time.time() - mark
+    loss: float = 0.0
+    steps: int = 0
+    seconds: float = 0.0
 
-    step = 0
-    if latest is not None:
+    def add(self, loss: float, seconds: float) -> None:
+        self.loss, self.steps, self.seconds = self.loss + loss, self.steps + 1, self.seconds + seconds
+
+    def take(self, device: torch.device) -> tuple[float, float]:
+        """Mean loss and step seconds over every rank's window (a collective), and a fresh window."""
+        loss, seconds = (
+            _mean_over_ranks(self.loss, self.steps, device),
+            _mean_over_ranks(self.seconds, self.steps, device),
+        )
+        self.loss, self.steps, self.seconds = 0.0, 0, 0.0
+        return loss, seconds
+
+
+class Trainer:
+    """One attempt of a run on this worker: it restores the newest complete checkpoint (converted if the
+    world size changed), then trains optimizer steps ``[restored step, max_steps)`` and exports.
+
+    After each step, ``StepPolicy`` decides evaluation and checkpoint from inputs that are the same on every
+    rank (step counts, Ray's pre-emption notice, rank 0's broadcast view), so every rank enters the same
+    collectives.
+    """
+
+    def __init__(self, args: dict[str, Any], report: Callable[[dict], None], preemption_info: Callable[[], Any]):
+        self.args, self._report_fn, self._preemption_info = args, report, preemption_info
+        self.cfg = cfg = config_from_dict(args["config"])
+        self.run_uri = args["run_uri"]
+        torch.set_num_threads(cfg.scaling.cpus_per_worker)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.timeline = ray.get_actor(args["timeline"]) if args.get("timeline") and self.rank == 0 else None
+        self.startup = {"entered": time.time()}  # where a (re)start's seconds go, for the timeline's resize record
+
+        self.tokenizer = load_tokenizer(args["data_path"])
+        self.train_rows = load_split(args["data_path"], "train")
+        self.val_rows = load_split(args["data_path"], "val")[: cfg.run.eval_samples]
+        self.order = SampleOrder(len(self.train_rows), cfg.run.seed)
+        self.startup["data_s"] = time.time() - self.startup["entered"]
+        latest = self._restore()  # sets self.engine, self.grad_accum and self.step
+
+        self.policy = StepPolicy(cfg)
+        self.first_step = self.step + 1
+        self.loss_window = LossWindow()
+        self.peak = peak_tflops(cfg.run.peak_tflops)
+        # Every rank gathers the rows; rank 0 writes them, and makes them visible at each checkpoint.
+        log = cfg.run.sample_log and self.rank == 0
+        self.sample_log = JsonlLog(storage.join(self.run_uri, SAMPLE_LOG)) if log else None
+        self.preemption_check_every = 1  # steps; set from the measured step time at each loss report
+        self.steps_to_preemption_check = 1
+        self.last_save = time.time()  # the time-based schedule starts with the attempt
+        # Early-checkpoint requests up to this time are answered (by the checkpoint resumed from, if any).
+        self.answered_until = latest["time"] if latest else self.startup["entered"]
+        self.save_seconds = 0.0
+
+    def _restore(self) -> dict[str, Any] | None:
+        """Build the engine and load the newest complete checkpoint into it; returns that checkpoint."""
+        cfg, world = self.cfg, self.world
+        latest = checkpoint.latest_complete(self.run_uri)
+        universal = latest is not None and checkpoint.needs_universal(latest, world)
         mark = time.time()
-        checkpoint.load(engine, latest, universal)
-        startup["load_s"] = time.time() - mark
-        step = latest["step"]
-        if rank == 0:
-            via = f", converted from {latest['world_size']} workers" if universal else ""
-            print(f"resumed from {latest['uri']} at step {step} on {world} workers{via}", flush=True)
-    else:
-        val_loss = evaluate(engine, val_rows, optim.micro_batch_size)
-        _report({"step": 0, **_val_metrics(val_loss, args["tokens_per_byte"])}, optim.max_steps, report)
-    node_ids = [None] * world
-    dist.all_gather_object(node_ids, ray.get_runtime_context().get_node_id())
-    if timeline:
-        timeline.attempt_started.remote(world, node_ids, step, startup)
+        if universal:
+            checkpoint.convert_to_universal(latest)
+        self.startup["convert_s"] = time.time() - mark
 
-    peak = peak_tflops(cfg.run.peak_tflops)
-    tokens_per_step = optim.global_batch_size * cfg.model.seq_len
-    metadata = {
-        "world_size": world,
-        "global_batch_size": optim.global_batch_size,
-        "config": cfg.to_dict(),
-        "tokenizer": tokenizer.spec(),
-        "data_manifest_sha256": args["provenance"]["data_manifest_sha256"],
-    }
-    # Every rank gathers the rows; rank 0 writes them, and makes them visible at each checkpoint.
-    sample_log = JsonlLog(storage.join(run_uri, SAMPLE_LOG)) if cfg.run.sample_log and rank == 0 else None
-    first_step = step + 1
-    policy = StepPolicy(cfg)
-    preemption_check_every = 1  # steps; set from the measured step time at each loss report
-    steps_to_preemption_check = 1
-    last_save = time.time()  # the time-based schedule starts with the attempt
-    answered_until = latest["time"] if latest else startup["entered"]  # early-checkpoint requests up to then
-    save_seconds = 0.0
-    window_loss, window_steps, window_time = 0.0, 0, 0.0  # since the last loss report
-    while step < optim.max_steps:
-        step_start = time.time()
+        mark = time.time()
+        torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
+        model = GPT(cfg.model)
+        if cfg.model.init_from and latest is None:
+            load_weights(model, cfg.model.init_from)
+        ds_config = build_ds_config(cfg, world, load_universal=universal)
+        self.engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=ds_config, dist_init_required=False
+        )
+        self.grad_accum = ds_config["gradient_accumulation_steps"]
+        self.startup["engine_s"] = time.time() - mark
+
+        self.step = 0
+        if latest is not None:
+            mark = time.time()
+            checkpoint.load(self.engine, latest, universal)
+            self.startup["load_s"] = time.time() - mark
+            self.step = latest["step"]
+            if self.rank == 0:
+                via = f", converted from {latest['world_size']} workers" if universal else ""
+                print(f"resumed from {latest['uri']} at step {self.step} on {world} workers{via}", flush=True)
+        else:
+            self._report({"step": 0, **self._evaluate()})
+        node_ids = [None] * world
+        dist.all_gather_object(node_ids, ray.get_runtime_context().get_node_id())
+        if self.timeline:
+            self.timeline.attempt_started.remote(world, node_ids, self.step, self.startup)
+        return latest
+
+    def run(self) -> None:
+        while self.step < self.cfg.optim.max_steps:
+            my_rows, loss, seconds = self._train_step()
+            self._after_step(my_rows, loss, seconds)
+        if self.sample_log:
+            self.sample_log.flush()
+        provenance = {**self.args["provenance"], "step": self.step, "config": self.cfg.to_dict()}
+        export_model(self.engine, self.cfg.model, self.tokenizer, export_uri(self.run_uri), provenance)
+
+    def _train_step(self) -> tuple[np.ndarray, float, float]:
+        """One optimizer step over this rank's share of the global batch: its rows, mean loss and seconds."""
+        optim, engine, step = self.cfg.optim, self.engine, self.step
+        start = time.time()
         for group in engine.optimizer.param_groups:
             group["lr"] = lr_at(step, optim)
         my_rows, step_loss = [], 0.0
-        for micro_step in range(grad_accum):
+        for micro_step in range(self.grad_accum):
             samples = micro_batch_samples(
-                step, micro_step, rank, world, optim.global_batch_size, optim.micro_batch_size
+                step, micro_step, self.rank, self.world, optim.global_batch_size, optim.micro_batch_size
             )
-            rows = order.rows(samples)
+            rows = self.order.rows(samples)
             my_rows.append(rows)
             # Dropout masks depend on (seed, step, rank) only, so a resumed run draws the same ones.
-            torch.manual_seed(hash((cfg.run.seed, step, micro_step, rank)) % 2**63)
-            _, loss = engine(*_to_batch(train_rows[rows], engine.device))
+            torch.manual_seed(hash((self.cfg.run.seed, step, micro_step, self.rank)) % 2**63)
+            _, loss = engine(*_to_batch(self.train_rows[rows], engine.device))
             engine.backward(loss)
             engine.step()
-            step_loss += loss.item() / grad_accum
-        window_loss += step_loss
-        step += 1
-        window_steps += 1
-        step_seconds = time.time() - step_start
-        window_time += step_seconds
-        if timeline:
-            timeline.step_done.remote(step, step_seconds, time.time())
+            step_loss += loss.item() / self.grad_accum
+        self.step += 1
+        return np.concatenate(my_rows), step_loss, time.time() - start
+
+    def _after_step(self, my_rows: np.ndarray, loss: float, seconds: float) -> None:
+        """Record the step, then evaluate, checkpoint and report as decided for it."""
+        cfg, step = self.cfg, self.step
+        self.loss_window.add(loss, seconds)
+        if self.timeline:
+            self.timeline.step_done.remote(step, seconds, time.time())
         if cfg.run.sample_log:
-            _log_samples(sample_log, step, np.concatenate(my_rows), step_loss, engine.device)
+            _log_samples(self.sample_log, step, my_rows, loss, self.engine.device)
 
         metrics: dict[str, Any] = {}
-        if step % cfg.run.log_every == 0 or step == optim.max_steps or step == first_step:
-            # The same on every rank (an all-reduced time), so all ranks join the same checks.
-            step_time = _mean_over_ranks(window_time, window_steps, engine.device)
-            tokens_per_s = tokens_per_step / step_time
-            preemption_check_every = max(1, round(cfg.checkpoint.preemption_check_s / step_time))
-            metrics = {
-                "step": step,
-                "loss": _mean_over_ranks(window_loss, window_steps, engine.device),
-                "lr": lr_at(step - 1, optim),
-                "tokens_per_s": tokens_per_s,
-                "step_time_s": step_time,
-                "mfu": flops_per_token(cfg.model) * tokens_per_s / (peak * 1e12 * world) if peak else None,
-                "memory_gb": memory_gb(),
-                "samples_seen": step * optim.global_batch_size,
-                "world_size": world,
-            }
-            window_loss, window_steps, window_time = 0.0, 0, 0.0
-        resize = ray.get(timeline.latest_resize.remote()) if step == first_step and timeline else None
+        if step % cfg.run.log_every == 0 or step == cfg.optim.max_steps or step == self.first_step:
+            metrics = self._training_metrics()
+        resize = ray.get(self.timeline.latest_resize.remote()) if step == self.first_step and self.timeline else None
         if resize:
             print(describe_resize(resize), flush=True)
             metrics.update({f"resize_{key}": value for key, value in resize.items()})
-        # Ask Ray about pre-emption every few steps (a round trip; the same steps on every rank, which
-        # its agreement across workers needs), then decide this step's evaluation and checkpoint.
-        steps_to_preemption_check -= 1
-        poll = not policy.notice_seen and steps_to_preemption_check <= 0
+        decision = self.policy.decide(step, *self._notice_and_view(seconds))
+        if decision.evaluate:
+            metrics.update(step=step, **self._evaluate())
+        if decision.checkpoint:
+            metrics.update(step=step, checkpoint=self._checkpoint(decision.checkpoint))
+        if metrics:
+            self._report(metrics)
+
+    def _training_metrics(self) -> dict[str, Any]:
+        cfg, world = self.cfg, self.world
+        # The same on every rank (an all-reduced time), so all ranks join the same checks.
+        loss, step_time = self.loss_window.take(self.engine.device)
+        tokens_per_s = cfg.optim.global_batch_size * cfg.model.seq_len / step_time
+        self.preemption_check_every = max(1, round(cfg.checkpoint.preemption_check_s / step_time))
+        peak = self.peak
+        return {
+            "step": self.step,
+            "loss": loss,
+            "lr": lr_at(self.step - 1, cfg.optim),
+            "tokens_per_s": tokens_per_s,
+            "step_time_s": step_time,
+            "mfu": flops_per_token(cfg.model) * tokens_per_s / (peak * 1e12 * world) if peak else None,
+            "memory_gb": memory_gb(),
+            "samples_seen": self.step * cfg.optim.global_batch_size,
+            "world_size": world,
+        }
+
+    def _notice_and_view(self, step_seconds: float) -> tuple[Notice | None, Rank0View | None]:
+        """Ray's pre-emption notice, asked every few steps (a round trip; the same steps on every rank,
+        which its agreement across workers needs), and rank 0's view where the decision may need it."""
+        self.steps_to_preemption_check -= 1
+        poll = not self.policy.notice_seen and self.steps_to_preemption_check <= 0
         notice = None
         if poll:
-            steps_to_preemption_check = preemption_check_every
-            info = preemption_info()
+            self.steps_to_preemption_check = self.preemption_check_every
+            info = self._preemption_info()
             if info is not None:
                 notice = Notice(deadline=info.deadline_ms / 1000 if info.deadline_ms else None)
-        view = None
-        if poll or policy.needs_view():
-            requested = latest_checkpoint_request(run_uri) if poll and rank == 0 else 0.0
-            mine = Rank0View(time.time(), last_save, step_seconds, save_seconds, requested, answered_until)
-            view = share_rank0_view(mine, engine.device)
-        decision = policy.decide(step, notice, view)
-        if decision.evaluate:
-            val_loss = evaluate(engine, val_rows, optim.micro_batch_size)
-            metrics.update(step=step, **_val_metrics(val_loss, args["tokens_per_byte"]))
-        reason = decision.checkpoint
-        if reason:
-            save_start = time.time()
-            uri = checkpoint.save(
-                engine,
-                run_uri,
-                step,
-                {**metadata, "samples_seen": step * optim.global_batch_size, "reason": reason},
-                cfg.checkpoint.keep_last,
-                tokenizer,
-            )
-            last_save = answered_until = time.time()
-            save_seconds = last_save - save_start
-            if rank == 0:
-                record_checkpoint(run_uri, last_save)
-            if sample_log:
-                sample_log.flush()
-            metrics.update(step=step, checkpoint=uri)
-            if timeline:
-                timeline.checkpoint_saved.remote(step, reason)
-                if reason == "preemption":
-                    timeline.preemption_notice.remote()
-        if metrics:
-            _report(metrics, optim.max_steps, report)
+        if not (poll or self.policy.needs_view()):
+            return notice, None
+        requested = latest_checkpoint_request(self.run_uri) if poll and self.rank == 0 else 0.0
+        mine = Rank0View(time.time(), self.last_save, step_seconds, self.save_seconds, requested, self.answered_until)
+        return notice, share_rank0_view(mine, self.engine.device)
 
-    if sample_log:
-        sample_log.flush()
-    provenance = {**args["provenance"], "step": step, "config": cfg.to_dict()}
-    export_model(engine, cfg.model, tokenizer, export_uri(run_uri), provenance)
+    def _checkpoint(self, reason: str) -> str:
+        """Save a checkpoint of this step (every rank) and record it; returns its URI."""
+        cfg, step = self.cfg, self.step
+        start = time.time()
+        metadata = {
+            "world_size": self.world,
+            "global_batch_size": cfg.optim.global_batch_size,
+            "config": cfg.to_dict(),
+            "tokenizer": self.tokenizer.spec(),
+            "data_manifest_sha256": self.args["provenance"]["data_manifest_sha256"],
+            "samples_seen": step * cfg.optim.global_batch_size,
+            "reason": reason,
+        }
+        uri = checkpoint.save(self.engine, self.run_uri, step, metadata, cfg.checkpoint.keep_last, self.tokenizer)
+        self.last_save = self.answered_until = time.time()
+        self.save_seconds = self.last_save - start
+        if self.rank == 0:
+            record_checkpoint(self.run_uri, self.last_save)
+        if self.sample_log:
+            self.sample_log.flush()
+        if self.timeline:
+            self.timeline.checkpoint_saved.remote(step, reason)
+            if reason == "preemption":
+                self.timeline.preemption_notice.remote()
+        return uri
+
+    def _evaluate(self) -> dict[str, float]:
+        val_loss = evaluate(self.engine, self.val_rows, self.cfg.optim.micro_batch_size)
+        return _val_metrics(val_loss, self.args["tokens_per_byte"])
+
+    def _report(self, metrics: dict[str, Any]) -> None:
+        """Print a progress line from rank 0 and report (every rank reports, in step)."""
+        metrics["time"] = time.time()
+        if self.rank == 0:
+            print(format_progress(metrics, self.cfg.optim.max_steps), flush=True)
+        self._report_fn(metrics)

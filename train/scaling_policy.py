@@ -7,7 +7,8 @@ therefore first tried at the old size and fails only when the worker-group start
 on demand (``get_reserved_resources(recompute=True)``, which Ray Data uses before pinning nodes), and,
 since Ray itself marks a node dead only after its health checks fail (~12-15 s after a kill), a node
 whose raylet no longer accepts a connection is left out of the count at once. This policy does both
-before each restart decision, at most once a second.
+whenever Ray's policy reads the cluster (at most once a second): for restarts, and for the periodic
+check whether to grow, which would otherwise grow back onto a node that is already gone.
 
 Growing back is Ray's decision too, but a grow restarts the run from its latest checkpoint, which
 could be a whole checkpoint interval old. So the policy first asks the run for a checkpoint (through
@@ -23,6 +24,7 @@ import socket
 import time
 
 import ray
+from ray.data._internal.cluster_autoscaler.base_autoscaling_coordinator import ReservedResources
 from ray.train import ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.execution.scaling_policy import (
@@ -89,20 +91,27 @@ class FreshViewElasticPolicy(ElasticScalingPolicy):
 
     def make_decision_for_non_running_worker_group(self) -> ScalingDecision:
         self._pending_grow = None  # the run failed meanwhile: this restart is sized afresh
-        now = time_monotonic()
-        if now - self._latest_reserved_resources_query_time >= self.GET_RESERVED_RESOURCES_INTERVAL_S:
-            self._maybe_send_resource_request()  # the first start needs a request to reserve against
-            try:
-                reserved = ray.get(
-                    self._autoscaling_coordinator.get_reserved_resources.remote(self._requester_id, recompute=True),
-                    timeout=AUTOSCALING_REQUESTS_GET_TIMEOUT_S,
-                )
-                reachable = reachable_nodes(reserved)
-                self._latest_reserved_resources = {node: res for node, res in reserved.items() if node in reachable}
-                self._latest_reserved_resources_query_time = time_monotonic()
-            except Exception:  # Ray's policy then asks the (stale) coordinator itself, as without this class
-                logger.warning("could not get a fresh view of the cluster's resources", exc_info=True)
         return super().make_decision_for_non_running_worker_group()
+
+    def _get_reserved_resources(self) -> ReservedResources | None:
+        """What Ray's policy sizes every decision from (at most once a second): the coordinator's
+        reservations, recomputed on the cluster as it is, less nodes whose raylet does not answer."""
+        now = time_monotonic()
+        if now - self._latest_reserved_resources_query_time < self.GET_RESERVED_RESOURCES_INTERVAL_S:
+            return self._latest_reserved_resources
+        reserved = None
+        try:
+            fresh = ray.get(
+                self._autoscaling_coordinator.get_reserved_resources.remote(self._requester_id, recompute=True),
+                timeout=AUTOSCALING_REQUESTS_GET_TIMEOUT_S,
+            )
+            reachable = reachable_nodes(fresh)
+            reserved = {node: resources for node, resources in fresh.items() if node in reachable}
+        except Exception:  # as Ray's policy does: no decision this time
+            logger.warning("could not get the cluster's resources; no scaling decision this time", exc_info=True)
+        self._latest_reserved_resources_query_time = time_monotonic()
+        self._latest_reserved_resources = reserved
+        return reserved
 
 
 class ElasticTorchTrainer(TorchTrainer):
