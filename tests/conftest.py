@@ -28,26 +28,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# Object storage for the tests: a moto S3 server on 127.0.0.1 (started by the s3_bucket fixture). Set
-# before any Ray starts, so that every Ray worker inherits it; pyarrow and boto3 both read these.
 S3_BUCKET = "raywright-test"
-S3_PORT = _free_port()
-os.environ.update(
-    AWS_ENDPOINT_URL_S3=f"http://127.0.0.1:{S3_PORT}",
-    AWS_ACCESS_KEY_ID="testing",
-    AWS_SECRET_ACCESS_KEY="testing",
-    AWS_DEFAULT_REGION="us-east-1",
-)
 
 # A few standard-library packages: a real corpus of ~4 MB that every machine has.
 CORPUS_PACKAGES = ("json", "email", "http", "logging")
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
+def s3_server() -> str:
+    """A moto S3 server on 127.0.0.1 for the session, on a port the OS picks when it starts; its endpoint
+    and fake credentials go into the environment, which every Ray started later inherits (pyarrow and
+    boto3 both read them)."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    os.environ.update(
+        AWS_ENDPOINT_URL_S3=endpoint,
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
+    yield endpoint
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(s3_server):
     """One private Ray for the whole session: a head node that elasticity tests add nodes to.
 
-    Its own temp dir and ports, so it never joins (or stops) a Ray already running here.
+    Its own temp dir and ports, so it never joins (or stops) a Ray already running here. Started after
+    the S3 server, so that its workers can reach it.
     """
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = "1"  # Ray Train notices a drain within ~1 s
@@ -61,16 +74,12 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="session")
-def s3_bucket() -> str:
-    """``s3://raywright-test`` on a moto S3 server of this test session."""
+def s3_bucket(s3_server) -> str:
+    """``s3://raywright-test`` on the session's S3 server."""
     import boto3
-    from moto.server import ThreadedMotoServer
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=S3_PORT, verbose=False)
-    server.start()
     boto3.client("s3").create_bucket(Bucket=S3_BUCKET)
-    yield f"s3://{S3_BUCKET}"
-    server.stop()
+    return f"s3://{S3_BUCKET}"
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -59,9 +60,15 @@ def test_a_killed_driver_of_this_host_is_taken_over_at_once(run_uri):
 
 def test_a_driver_that_lost_its_lease_stops(tmp_path):
     run_uri = str(tmp_path / "run")
+    # Python's own Ctrl-C handling: a Ray Train run earlier in this process may have left its handler,
+    # which aborts that run's controller instead (what a training driver wants; invisible here).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     start = time.monotonic()
-    with pytest.raises(KeyboardInterrupt), Lease(run_uri, stale_after_s=0.5):
-        _write_lease(run_uri, 1, heartbeat=time.time())  # taken over while this driver was paused
-        time.sleep(30)  # the heartbeat (every 0.1 s) interrupts this, as Ctrl-C would
+    try:
+        with pytest.raises(KeyboardInterrupt), Lease(run_uri, stale_after_s=0.5):
+            _write_lease(run_uri, 1, heartbeat=time.time())  # taken over while this driver was paused
+            time.sleep(30)  # the heartbeat (every 0.1 s) interrupts this, as Ctrl-C would
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - start < 5
     assert json.loads(storage.read_bytes(storage.join(run_uri, LEASE)))["token"] == "someone-else"  # not ours
