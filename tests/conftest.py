@@ -22,7 +22,7 @@ from train.tokenizer import ByteTokenizer
 MEMORIZED_TEXT = "Grüße aus Köln: 3 € für ☕ und 🚀. "
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -124,7 +124,7 @@ def process_group():
     """
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setenv("LOCAL_RANK", "0")  # DeepSpeed reads it; Ray Train sets it on real workers
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
     monkeypatch.undo()

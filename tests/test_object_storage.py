@@ -4,7 +4,6 @@ run is resumed on 1 worker from the bucket, exported to it, and served from ``s3
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -16,6 +15,7 @@ import requests
 from ray import serve
 
 from serve.app import build_app
+from tests.conftest import free_port
 from train import checkpoint, storage
 from train.launch import ELASTIC_SUMMARY
 from train.lease import LEASE
@@ -101,9 +101,7 @@ def test_a_run_in_a_bucket_survives_its_driver_killed_resumes_at_another_size_an
     assert not (tmp_path / "runs").exists()
 
     # 3. Served from the bucket.
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         serve.run(build_app({"checkpoint": f"{run_uri}/export", "cpus_per_replica": 0.25}), name="s3", route_prefix="/")

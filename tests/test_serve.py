@@ -4,7 +4,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,19 +23,13 @@ from ray._common.test_utils import wait_for_condition
 from serve.__main__ import main as serve_main
 from serve.app import build_app, deployment_for
 from serve.config import serve_config_from_dict
-from tests.conftest import MEMORIZED_TEXT
+from tests.conftest import MEMORIZED_TEXT, free_port
 from train.schema import ConfigError
 
 pytestmark = pytest.mark.cluster
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

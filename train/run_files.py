@@ -21,13 +21,18 @@ def node_local_copy(uri: str) -> str:
     return os.path.join(tempfile.gettempdir(), "raywright-run-files", key, os.path.basename(uri.rstrip("/")))
 
 
+def local_path(uri: str) -> str:
+    """Where this node writes ``uri``: the path itself on local storage, else its node-local copy."""
+    return storage.resolve(uri)[1] if storage.is_local(uri) else node_local_copy(uri)
+
+
 class JsonlLog:
     """Append-only JSON lines at ``uri``."""
 
     def __init__(self, uri: str):
         self.uri = uri
         self.remote = not storage.is_local(uri)
-        self.path = node_local_copy(uri) if self.remote else storage.resolve(uri)[1]
+        self.path = local_path(uri)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         if self.remote:
             with open(self.path, "wb") as f:
@@ -53,7 +58,7 @@ def read_jsonl(uri: str) -> list[dict[str, Any]]:
 def local_dir_for(uri: str) -> str:
     """A local directory to write ``uri``'s files in: itself, or a node-local copy to upload with
     ``upload_dir``."""
-    path = node_local_copy(uri) if not storage.is_local(uri) else storage.resolve(uri)[1]
+    path = local_path(uri)
     os.makedirs(path, exist_ok=True)
     return path
 
