@@ -14,7 +14,6 @@ import argparse
 import json
 import tempfile
 
-import deepspeed
 import ray
 import torch
 import torch.distributed as dist
@@ -22,7 +21,7 @@ from ray.train import ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from train.config import config_from_dict, load_config
-from train.ds_config import build_ds_config
+from train.ds_config import build_engine
 from train.model import GPT
 
 
@@ -54,12 +53,7 @@ def measure(args: dict) -> None:
     cfg = config_from_dict(args["config"])
     torch.manual_seed(0)
     model = GPT(cfg.model)
-    engine, *_ = deepspeed.initialize(
-        model=model,
-        model_parameters=model.parameters(),
-        config=build_ds_config(cfg, dist.get_world_size()),
-        dist_init_required=False,
-    )
+    engine = build_engine(cfg, model, dist.get_world_size())
     tokens = torch.randint(0, cfg.model.vocab_size, (cfg.optim.micro_batch_size, cfg.model.seq_len + 1))
     for step in range(2):
         for micro_step in range(engine.gradient_accumulation_steps()):

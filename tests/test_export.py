@@ -1,13 +1,12 @@
 """Export from a live DeepSpeed engine (one process, gloo) and reload, in raywright and in transformers."""
 
-import deepspeed
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.conftest import MEMORIZED_TEXT
 from train.config import load_config
-from train.ds_config import build_ds_config
+from train.ds_config import build_engine
 from train.export import export_model, load_exported
 from train.model import GPT
 from train.tokenizer import ByteTokenizer, train_bpe
@@ -27,9 +26,7 @@ def test_export_loads_in_raywright_and_transformers_with_the_same_logits_and_tok
     )
     torch.manual_seed(0)
     model = GPT(cfg.model)
-    engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=build_ds_config(cfg, 1), dist_init_required=False
-    )
+    engine = build_engine(cfg, model, 1)
     tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len + 1))
     for _ in range(2):  # move the weights away from their initial values
         for _ in range(engine.gradient_accumulation_steps()):

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 
-import deepspeed
 import numpy as np
 import pytest
 import torch
@@ -20,7 +19,7 @@ from serve.engine import Engine, GenerationParams, Sequence
 from tests.conftest import MEMORIZED_TEXT
 from train.config import load_config
 from train.data import dataset_path, load_split
-from train.ds_config import build_ds_config
+from train.ds_config import build_engine
 from train.export import load_exported
 from train.hf_gpt2 import from_hf_state, hf_config, load_weights, model_config_from_hf, to_hf_state
 from train.launch import run_training
@@ -130,9 +129,7 @@ def test_init_from_loads_the_gpt2_weights_and_fine_tunes_with_every_zero_stage(p
     assert cfg.data.tokenizer == hf_gpt2
     model = GPT(cfg.model)
     load_weights(model, hf_gpt2)
-    engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=build_ds_config(cfg, 1), dist_init_required=False
-    )
+    engine = build_engine(cfg, model, 1)
     tokenizer = load_tokenizer(hf_gpt2)
     text = "class Fine(Tuned):\n    def step(self):\n        return self.loss\n" * 8
     tokens = torch.from_numpy(tokenizer.encode(text)[: 2 * 65].astype("int64")).view(2, 65)

@@ -1,7 +1,11 @@
-"""Builds the DeepSpeed config for one world size from the typed training config."""
+"""Builds the DeepSpeed config for one world size from the typed training config, and the engine."""
 
 import json
 from typing import Any
+
+import deepspeed
+import torch
+from deepspeed.accelerator import get_accelerator
 
 from train.batching import grad_accum_steps
 from train.config import TrainConfig
@@ -11,8 +15,8 @@ def build_ds_config(cfg: TrainConfig, world_size: int, load_universal: bool = Fa
     """The DeepSpeed config for ``world_size`` workers, with ``deepspeed.config_file`` merged over it.
 
     ``load_universal``: the engine will restore a universal checkpoint (from another world size).
-    The learning rate here is only the initial value: the training loop sets it every step
-    from the schedule, so the schedule has no state to save or restore.
+    The learning rate is set by the training loop every step from the schedule, so the schedule
+    has no state to save or restore.
     """
     ds = cfg.deepspeed
     config: dict[str, Any] = {
@@ -22,15 +26,6 @@ def build_ds_config(cfg: TrainConfig, world_size: int, load_universal: bool = Fa
             cfg.optim.global_batch_size, cfg.optim.micro_batch_size, world_size
         ),
         "gradient_clipping": cfg.optim.grad_clip,
-        "optimizer": {
-            "type": "AdamW",
-            "params": {
-                "lr": cfg.optim.lr,
-                "betas": list(cfg.optim.betas),
-                "eps": cfg.optim.eps,
-                "weight_decay": cfg.optim.weight_decay,
-            },
-        },
         "zero_optimization": _zero_buckets(ds.zero_stage, cfg.model.d_model),
         "bf16": {"enabled": ds.precision == "bf16"},
         "fp16": {"enabled": ds.precision == "fp16", "initial_scale_power": 16},
@@ -39,6 +34,8 @@ def build_ds_config(cfg: TrainConfig, world_size: int, load_universal: bool = Fa
     }
     if ds.offload_optimizer:
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": cfg.scaling.use_gpu}
+        # The step runs on the host, where DeepSpeed's CPU Adam (built from this entry) is the fast one.
+        config["optimizer"] = {"type": "AdamW", "params": _adamw_params(cfg)}
     if ds.offload_params:
         config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": cfg.scaling.use_gpu}
     if load_universal:
@@ -47,6 +44,38 @@ def build_ds_config(cfg: TrainConfig, world_size: int, load_universal: bool = Fa
         with open(ds.config_file) as f:
             config = merge(config, json.load(f))
     return config
+
+
+def build_engine(cfg: TrainConfig, model: torch.nn.Module, world_size: int, load_universal: bool = False):
+    """A DeepSpeed engine training ``model`` on this process's device, ``build_ds_config``'s arguments."""
+    model.to(get_accelerator().current_device_name())  # where DeepSpeed puts it; the optimizer is built there
+    ds_config = build_ds_config(cfg, world_size, load_universal)
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        optimizer=_client_optimizer(cfg, ds_config, model),
+        model_parameters=model.parameters(),
+        config=ds_config,
+        dist_init_required=False,
+    )
+    return engine
+
+
+def _client_optimizer(cfg: TrainConfig, ds_config: dict[str, Any], model: torch.nn.Module) -> torch.optim.AdamW | None:
+    """torch's AdamW, or None where ``ds_config`` names the optimizer.
+
+    DeepSpeed builds a configured AdamW as its FusedAdam, a JIT-built op: seconds of compiler probing
+    on every worker (re)start, and a crash on images whose TORCH_CUDA_ARCH_LIST it cannot parse.
+    torch's AdamW does the same math (fused into one kernel when the model is on CUDA) with nothing to build.
+    """
+    if "optimizer" in ds_config:
+        return None
+    params = list(model.parameters())
+    return torch.optim.AdamW(params, **_adamw_params(cfg), fused=params[0].is_cuda)
+
+
+def _adamw_params(cfg: TrainConfig) -> dict[str, Any]:
+    o = cfg.optim
+    return {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
 
 
 def _zero_buckets(stage: int, d_model: int) -> dict[str, Any]:

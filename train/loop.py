@@ -11,7 +11,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import deepspeed
 import numpy as np
 import ray
 import ray.train
@@ -22,7 +21,7 @@ from train import checkpoint, storage
 from train.config import config_from_dict
 from train.data import load_split
 from train.decisions import Notice, Rank0View, StepPolicy, share_rank0_view
-from train.ds_config import build_ds_config
+from train.ds_config import build_engine
 from train.early_checkpoint import latest_checkpoint_request, record_checkpoint
 from train.export import export_model, export_uri
 from train.hf_gpt2 import load_weights
@@ -177,11 +176,8 @@ class Trainer:
         model = GPT(cfg.model)
         if cfg.model.init_from and latest is None:
             load_weights(model, cfg.model.init_from)
-        ds_config = build_ds_config(cfg, world, load_universal=universal)
-        self.engine, *_ = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), config=ds_config, dist_init_required=False
-        )
-        self.grad_accum = ds_config["gradient_accumulation_steps"]
+        self.engine = build_engine(cfg, model, world, load_universal=universal)
+        self.grad_accum = self.engine.gradient_accumulation_steps()
         self.startup["engine_s"] = time.time() - mark
 
         self.step = 0
