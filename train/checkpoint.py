@@ -9,6 +9,7 @@ half-written one is skipped with a warning, so a crash mid-save never becomes "l
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import io
 import logging
@@ -16,13 +17,16 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow.fs as pafs
+import torch
 import torch.distributed as dist
 from deepspeed.checkpoint import ds_to_universal
 
 from train import storage
+from train.checkpoint_writer import BackgroundWriter
 from train.tokenizer import BPETokenizer, save_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -70,37 +74,83 @@ def latest_complete(run_uri: str) -> dict[str, Any] | None:
     return None
 
 
-def save(engine, run_uri: str, step: int, metadata: dict[str, Any], keep_last: int, tokenizer: BPETokenizer) -> str:
-    """Save a checkpoint, with its tokenizer, from every rank (a collective call); returns its URI.
+@dataclass
+class PendingCheckpoint:
+    """A checkpoint whose files are being written; it counts once ``finish_save`` has written its metadata."""
+
+    run_uri: str
+    uri: str
+    step: int
+    metadata: dict[str, Any]
+    started: float
+    writer: BackgroundWriter | None  # None: the files were written before ``begin_save`` returned
+    device: torch.device
+
+
+def begin_save(engine, run_uri: str, step: int, metadata: dict[str, Any]) -> PendingCheckpoint:
+    """Start a checkpoint of this step from every rank (a collective call).
 
     The step directory is written fresh (what an earlier, interrupted attempt left there is cleared
-    first) and counts only once rank 0 has written ``metadata.json`` listing every file's size.
+    first). Where the engine's checkpoint engine is a ``BackgroundWriter``, the files are written, and
+    uploaded from a local staging directory where the run is remote, after this returns.
     """
+    started = time.time()
     uri = checkpoint_uri(run_uri, step)
     tag = os.path.basename(uri)
     if dist.get_rank() == 0 and storage.exists(uri):
         storage.delete_dir(uri)  # shards of another world size must not be listed, or converted, as this one's
     dist.barrier()
-    if storage.is_local(run_uri):
-        engine.save_checkpoint(storage.resolve(os.path.dirname(uri))[1], tag=tag, save_latest=False)
-    else:  # each rank stages its own shards locally, then uploads them
-        with tempfile.TemporaryDirectory(prefix="raywright-ckpt-") as staging:
-            engine.save_checkpoint(staging, tag=tag, save_latest=False)
-            storage.copy_dir(os.path.join(staging, tag), uri)
-    dist.barrier()  # every shard is in place before the metadata says so
+    writer = engine.checkpoint_engine if isinstance(engine.checkpoint_engine, BackgroundWriter) else None
+    staging = None if storage.is_local(run_uri) else tempfile.mkdtemp(prefix="raywright-ckpt-")
+    engine.save_checkpoint(staging or storage.resolve(os.path.dirname(uri))[1], tag=tag, save_latest=False)
+    upload = functools.partial(_upload_staged, staging, tag, uri) if staging else lambda: None
+    if writer:
+        writer.start(then=upload)
+    else:
+        upload()
+    return PendingCheckpoint(run_uri, uri, step, metadata, started, writer, engine.device)
+
+
+def _upload_staged(staging: str, tag: str, uri: str) -> None:
+    """Each rank uploads the shards it staged locally."""
+    try:
+        storage.copy_dir(os.path.join(staging, tag), uri)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def written(pending: PendingCheckpoint, wait: bool) -> bool:
+    """Whether every rank has written its files (a collective; waits for this rank's if ``wait``).
+
+    Raises on every rank if one rank's write failed, so all leave their collectives together.
+    """
+    writer = pending.writer
+    mine = 1 if writer is None or writer.done(wait) else 0
+    if writer is not None and writer.error is not None:
+        mine = -1
+    status = torch.tensor([mine], device=pending.device)
+    dist.all_reduce(status, op=dist.ReduceOp.MIN)
+    if status.item() < 0:
+        raise RuntimeError(f"writing checkpoint {pending.uri} failed on a worker") from (writer and writer.error)
+    return status.item() == 1
+
+
+def finish_save(pending: PendingCheckpoint, keep_last: int, tokenizer: BPETokenizer) -> None:
+    """Make a written checkpoint count (every rank, once ``written``): rank 0 adds the tokenizer and
+    writes ``metadata.json`` listing every file's size, then keeps the newest ``keep_last``."""
     if dist.get_rank() == 0:
-        save_tokenizer(tokenizer, uri)
-        files = _file_sizes(uri)
-        storage.write_json(storage.join(uri, METADATA), {**metadata, "step": step, "files": files, "time": time.time()})
-        prune(run_uri, keep_last)
+        save_tokenizer(tokenizer, pending.uri)
+        files = _file_sizes(pending.uri)
+        metadata = {**pending.metadata, "step": pending.step, "files": files, "time": pending.started}
+        storage.write_json(storage.join(pending.uri, METADATA), metadata)
+        prune(pending.run_uri, keep_last)
     dist.barrier()
-    return uri
 
 
 def prune(run_uri: str, keep_last: int) -> None:
     """Keep the newest ``keep_last`` complete checkpoints; delete older ones and every incomplete one.
 
-    Called right after a save completes, when no other save is in flight: an incomplete directory is
+    Called right after a save completes, when no other save is in flight (one at a time): an incomplete directory is
     then an interrupted attempt, never one still being written, and never counts toward ``keep_last``.
     """
     step_dirs = _step_dirs(run_uri)

@@ -139,6 +139,10 @@ class CheckpointConfig(Section):
     """Minutes between checkpoints; 0 disables time-based checkpoints."""
     keep_last: int = Field(3, ge=1)
     """Complete checkpoints kept; older ones are deleted."""
+    async_write: bool = True
+    """Write checkpoint files (and upload them) on a background thread while training goes on; training
+    waits only for a host copy of the state. The checkpoint counts once every worker's files are written;
+    one is in flight at a time; a pre-emption's checkpoints and the last one are waited for."""
     preemption_check_s: float = Field(2.0, gt=0.0)
     """How often to ask Ray whether a node is being pre-empted (a round trip through Ray Train, ~11 ms;
     Ray itself polls drain state every 5 s)."""

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from train import checkpoint, storage
+from train.checkpoint_writer import BackgroundWriter
 from train.config import config_from_dict
 from train.data import load_split
 from train.decisions import Notice, Rank0View, StepPolicy, share_rank0_view
@@ -159,7 +160,9 @@ class Trainer:
         self.last_save = time.time()  # the time-based schedule starts with the attempt
         # Early-checkpoint requests up to this time are answered (by the checkpoint resumed from, if any).
         self.answered_until = latest["time"] if latest else self.startup["entered"]
-        self.save_seconds = 0.0
+        self.save_seconds = 0.0  # from the start of the latest checkpoint until it counted
+        self.pending: checkpoint.PendingCheckpoint | None = None  # a checkpoint being written, at most one
+        self.stall_seconds = 0.0  # the training thread's time in the pending checkpoint
 
     def _restore(self) -> dict[str, Any] | None:
         """Build the engine and load the newest complete checkpoint into it; returns that checkpoint."""
@@ -177,6 +180,8 @@ class Trainer:
         if cfg.model.init_from and latest is None:
             load_weights(model, cfg.model.init_from)
         self.engine = build_engine(cfg, model, world, load_universal=universal)
+        if cfg.checkpoint.async_write:
+            self.engine.checkpoint_engine = BackgroundWriter()
         self.grad_accum = self.engine.gradient_accumulation_steps()
         self.startup["engine_s"] = time.time() - mark
 
@@ -244,11 +249,13 @@ class Trainer:
         if resize:
             print(describe_resize(resize), flush=True)
             metrics.update({f"resize_{key}": value for key, value in resize.items()})
+        if self.pending:  # the same steps on every rank, as the checkpoint was started at the same step
+            metrics.update(self._settle_checkpoint(wait=False))
         decision = self.policy.decide(step, *self._notice_and_view(seconds))
         if decision.evaluate:
             metrics.update(step=step, **self._evaluate())
         if decision.checkpoint:
-            metrics.update(step=step, checkpoint=self._checkpoint(decision.checkpoint))
+            metrics.update(self._checkpoint(decision.checkpoint))
         if metrics:
             self._report(metrics)
 
@@ -288,9 +295,14 @@ class Trainer:
         mine = Rank0View(time.time(), self.last_save, step_seconds, self.save_seconds, requested, self.answered_until)
         return notice, share_rank0_view(mine, self.engine.device)
 
-    def _checkpoint(self, reason: str) -> str:
-        """Save a checkpoint of this step (every rank) and record it; returns its URI."""
+    def _checkpoint(self, reason: str) -> dict[str, Any]:
+        """Start a checkpoint of this step (every rank); returns its metrics if it already counts.
+
+        Its files are written in the background (``checkpoint.async_write``) unless a pre-emption is
+        near or the run ends: then it counts before training goes on.
+        """
         cfg, step = self.cfg, self.step
+        metrics = self._settle_checkpoint(wait=True) if self.pending else {}  # one in flight at a time
         start = time.time()
         metadata = {
             "world_size": self.world,
@@ -301,18 +313,39 @@ class Trainer:
             "samples_seen": step * cfg.optim.global_batch_size,
             "reason": reason,
         }
-        uri = checkpoint.save(self.engine, self.run_uri, step, metadata, cfg.checkpoint.keep_last, self.tokenizer)
-        self.last_save = self.answered_until = time.time()
-        self.save_seconds = self.last_save - start
+        self.pending = checkpoint.begin_save(self.engine, self.run_uri, step, metadata)
+        self.stall_seconds = time.time() - start
+        self.last_save = self.answered_until = start  # requests made before it are answered by it
+        if self.timeline and reason == "preemption":
+            self.timeline.preemption_notice.remote()
+        if reason in ("preemption", "deadline") or step == cfg.optim.max_steps or not cfg.checkpoint.async_write:
+            metrics.update(self._settle_checkpoint(wait=True))
+        return metrics
+
+    def _settle_checkpoint(self, wait: bool) -> dict[str, Any]:
+        """Make the pending checkpoint count once every rank has written it (waiting for that if ``wait``);
+        returns its metrics then, else nothing."""
+        start, pending = time.time(), self.pending
+        counts = checkpoint.written(pending, wait)
+        if counts:
+            checkpoint.finish_save(pending, self.cfg.checkpoint.keep_last, self.tokenizer)
+        self.stall_seconds += time.time() - start
+        if not counts:
+            return {}
+        self.pending = None
+        self.save_seconds = time.time() - pending.started
         if self.rank == 0:
-            record_checkpoint(self.run_uri, self.last_save)
+            record_checkpoint(self.run_uri, pending.started)
         if self.sample_log:
             self.sample_log.flush()
         if self.timeline:
-            self.timeline.checkpoint_saved.remote(step, reason)
-            if reason == "preemption":
-                self.timeline.preemption_notice.remote()
-        return uri
+            self.timeline.checkpoint_saved.remote(pending.step, pending.metadata["reason"])
+        return {
+            "step": self.step,
+            "checkpoint": pending.uri,
+            "checkpoint_s": self.save_seconds,
+            "checkpoint_stall_s": self.stall_seconds,
+        }
 
     def _evaluate(self) -> dict[str, float]:
         val_loss = evaluate(self.engine, self.val_rows, self.cfg.optim.micro_batch_size)
