@@ -50,10 +50,15 @@ class SweepConfig(Section):
     """Optuna's TPE, or random search."""
     tpe_startup_trials: int = Field(4, ge=1)
     """Random trials before TPE models the space (Optuna's default, 10, is a whole small sweep)."""
+    tpe_multivariate: bool = True
+    """TPE models the parameters jointly (learning rate and width interact), not one at a time."""
+    tpe_constant_liar: bool = True
+    """TPE counts running trials as bad results, so concurrent trials are not proposed on top of each other."""
     early_stopping: Literal["asha", "none"] = "asha"
     """ASHA stops trials that fall behind at its rungs; none runs every trial to the end."""
     grace_period: int = Field(10, ge=1)
-    """Steps every trial trains before ASHA may stop it."""
+    """Steps every trial trains before ASHA may stop it; at least the longest learning-rate warm-up the
+    base and space allow, so that no trial is judged while its learning rate is still rising."""
     reduction_factor: int = Field(2, ge=2)
     """ASHA keeps the best 1/reduction_factor of the trials at each rung."""
     metric: Literal["val_loss"] = "val_loss"
@@ -134,6 +139,12 @@ def check_space(sweep: SweepConfig) -> None:
         # A fixed worker count per trial: ASHA compares trials at equal steps of an equal global batch.
         raise ConfigError("scaling.num_workers: set the workers of every trial with trial_workers, not in set or space")
     candidates = {key: _candidates(key, spec) for key, spec in sweep.space.items()}
+    longest_warmup = max(candidates.get("optim.warmup_steps", [base.optim.warmup_steps]))
+    if sweep.early_stopping == "asha" and sweep.grace_period < longest_warmup:
+        raise ConfigError(
+            f"grace_period: {sweep.grace_period} steps would judge trials still warming up "
+            f"(optim.warmup_steps up to {longest_warmup}); make it at least {longest_warmup}"
+        )
     for key, values in candidates.items():
         for value in values:
             try:

@@ -20,7 +20,6 @@ from ray import tune
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search import ConcurrencyLimiter
 from ray.tune.search.basic_variant import BasicVariantGenerator
-from ray.tune.search.optuna import OptunaSearch
 
 from train import storage
 from train.launch import ensure_dataset, init_ray, resources_offered
@@ -28,6 +27,7 @@ from train.preflight import check_before_ray
 from train.schema import ConfigError, replace
 from tune.config import SweepConfig, sweep_config_from_dict, tune_space
 from tune.plots import save_plots
+from tune.search import StepAwareOptunaSearch
 from tune.trial import run_trial, sweep_dir, trial_config
 
 SWEEP_FILE = "sweep.yaml"
@@ -60,14 +60,18 @@ def _trainable(sweep: SweepConfig):
 
 
 def _tuner_parts(sweep: SweepConfig):
+    max_steps = sweep.base_config().optim.max_steps  # the space may not change it: rungs are in steps
     if sweep.search == "tpe":
-        sampler = optuna.samplers.TPESampler(seed=sweep.seed, n_startup_trials=sweep.tpe_startup_trials)
-        searcher = ConcurrencyLimiter(
-            OptunaSearch(metric=sweep.metric, mode="min", sampler=sampler), sweep.max_concurrent_trials
+        sampler = optuna.samplers.TPESampler(
+            seed=sweep.seed,
+            n_startup_trials=sweep.tpe_startup_trials,
+            multivariate=sweep.tpe_multivariate,
+            constant_liar=sweep.tpe_constant_liar,
         )
+        optuna_search = StepAwareOptunaSearch(metric=sweep.metric, mode="min", sampler=sampler, max_steps=max_steps)
+        searcher = ConcurrencyLimiter(optuna_search, sweep.max_concurrent_trials)
     else:
         searcher = BasicVariantGenerator(random_state=sweep.seed, max_concurrent=sweep.max_concurrent_trials)
-    max_steps = sweep.base_config().optim.max_steps  # the space may not change it: rungs are in steps
     scheduler = (
         ASHAScheduler(
             time_attr="step",
