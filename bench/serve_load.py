@@ -5,7 +5,9 @@
 Without --checkpoint it first trains a 4-layer, 256-wide byte-level GPT (the tiny recipe, wider)
 for a few minutes. Then, on one local Ray with one Serve replica (1 CPU, one torch thread):
 - P6a: requests/s and p50/p99 latency at 1, 8, 32 and 64 concurrent clients for continuous
-  batching, Ray's ``@serve.batch`` and no batching (a batch of one), all int8;
+  batching, Ray's ``@serve.batch`` and no batching (a batch of one), all int8; the headline ratio
+  (continuous ÷ no batching at 32 clients) is the median of ``--p6a-rounds`` back-to-back pairs, both
+  apps deployed side by side, so that the machine's drift between two distant points cannot make it;
 - P6b: throughput through Serve at 32 clients / the engine's own throughput with 32 requests
   in flight in-process, no HTTP;
 - P6c: int8 / fp32 throughput at 32 clients through Serve, and validation perplexity of the
@@ -147,6 +149,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=12.0, help="load duration per measurement")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--p6a-rounds", type=int, default=3, help="back-to-back pairs for the P6a ratio")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -159,10 +162,8 @@ def main() -> None:
 
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     url = f"http://127.0.0.1:{args.port}"
-    variants = [("continuous", "int8", CLIENTS), ("serve_batch", "int8", CLIENTS), ("none", "int8", CLIENTS)]
-    variants.append(("continuous", "fp32", (32,)))
-    results: dict = {}
-    for batching, precision, levels in variants:
+
+    def deploy(batching: str, precision: str, name: str) -> str:
         app = build_app(
             {
                 "checkpoint": export,
@@ -173,13 +174,31 @@ def main() -> None:
                 "max_queued_requests": 1024,
             }
         )
-        serve.run(app, name="bench", route_prefix="/")
-        asyncio.run(load(url, 4, 2.0, prompts, args.max_tokens))  # warm up
+        serve.run(app, name=name, route_prefix=f"/{name}")
+        asyncio.run(load(f"{url}/{name}", 4, 2.0, prompts, args.max_tokens))  # warm up
+        return f"{url}/{name}"
+
+    variants = [("continuous", "int8", CLIENTS), ("serve_batch", "int8", CLIENTS), ("none", "int8", CLIENTS)]
+    variants.append(("continuous", "fp32", (32,)))
+    results: dict = {}
+    for batching, precision, levels in variants:
+        app_url = deploy(batching, precision, "bench")
         for clients in levels:
-            point = asyncio.run(load(url, clients, args.seconds, prompts, args.max_tokens))
+            point = asyncio.run(load(app_url, clients, args.seconds, prompts, args.max_tokens))
             results[f"{batching}/{precision}/{clients}"] = point
             print(batching, precision, clients, json.dumps(point), flush=True)
         serve.delete("bench")
+
+    pair_urls = {batching: deploy(batching, "int8", batching) for batching in ("continuous", "none")}
+    pairs = []
+    for round_index in range(args.p6a_rounds):
+        order = ("continuous", "none") if round_index % 2 == 0 else ("none", "continuous")
+        rps = {}
+        for batching in order:
+            point = asyncio.run(load(pair_urls[batching], 32, args.seconds, prompts, args.max_tokens))
+            rps[batching] = point["requests_per_s"]
+        pairs.append(rps)
+        print("P6a pair", json.dumps(rps), flush=True)
     serve.shutdown()
 
     engine_rps = engine_throughput(export, prompts, 32, args.seconds, args.max_tokens)
@@ -191,7 +210,9 @@ def main() -> None:
     report.update(
         {
             "points": results,
-            "P6a_continuous_over_no_batching_32": at32["continuous/int8"] / at32["none/int8"],
+            "P6a_continuous_over_no_batching_32": statistics.median(p["continuous"] / p["none"] for p in pairs),
+            "P6a_pairs": pairs,
+            "P6a_continuous_over_no_batching_32_sweep": at32["continuous/int8"] / at32["none/int8"],
             "P6a_serve_batch_over_no_batching_32": at32["serve_batch/int8"] / at32["none/int8"],
             "P6b_serve_over_engine_32": at32["continuous/int8"] / engine_rps,
             "engine_requests_per_s_32": engine_rps,
