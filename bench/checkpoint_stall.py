@@ -1,8 +1,8 @@
 """What a checkpoint costs training, written synchronously vs on a background thread.
 
-    python bench/checkpoint_stall.py [--steps 40] [--every 5] [--rounds 2] [--set model.d_model=512 ...]
+    python bench/checkpoint_stall.py [--steps 30] [--every 5] [--rounds 2] [--set model.d_model=512 ...]
 
-Runs the same training (2 workers, ZeRO-2, a 25M-parameter model: 8 x 512) with a checkpoint every
+Runs the same training (2 workers, ZeRO-2, a 3.2M-parameter model: 4 x 256) with a checkpoint every
 ``--every`` steps, with ``checkpoint.async_write`` false and true, and once without checkpoints,
 interleaved over ``--rounds``. Two figures per mode:
 - stall: seconds the training thread spends in each checkpoint (``checkpoint_stall_s`` in its
@@ -37,7 +37,7 @@ def measure(overrides: list[str], name: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--set", action="append", default=[])
@@ -45,9 +45,8 @@ def main() -> None:
     common = [
         "scaling.num_workers=2",
         "deepspeed.zero_stage=2",
-        "model.d_model=512",
-        "model.n_layer=8",
-        "model.n_head=8",
+        "model.d_model=256",
+        "model.n_layer=4",
         f"optim.max_steps={args.steps}",
         "run.log_every=1",
         f"run.eval_every={args.steps}",
