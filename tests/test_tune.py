@@ -84,15 +84,19 @@ def test_notebook_sweep_stops_trials_early_runs_them_concurrently_and_its_best_r
     finally:
         for key in env:
             os.environ.pop(key)
-    images = [o for c in notebook.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
-    assert len(images) == 3  # history, importances, rungs
+    outputs = [o for c in notebook.cells for o in c.get("outputs", [])]
+    images = [o for o in outputs if "image/png" in o.get("data", {})]
+    # The live table of the running sweep, as its last update left it: every trial ended.
+    (progress,) = [o for o in outputs if "text/html" in o.get("data", {}) and "status" in o["data"]["text/html"]]
+    assert progress["data"]["text/html"].count("TERMINATED") == 6
+    assert len(images) == 4  # history, anytime, importances, rungs
 
     sweep = tmp_path / "sweeps" / "notebook"
     trials = pd.read_csv(sweep / "trials.csv")
     assert len(trials) == 6 and not trials["error"].any()
     assert trials["stopped_early"].any() and not trials["stopped_early"].all()  # ASHA stopped some, not all
     assert max_overlap(trials) == 2  # max_concurrent_trials reached
-    for plot in ("optimization_history.png", "parameter_importances.png", "asha_rungs.png"):
+    for plot in ("optimization_history.png", "anytime.png", "parameter_importances.png", "asha_rungs.png"):
         assert (sweep / plot).stat().st_size > 1000
 
     # The best recipe is a complete train recipe: it trains as it is.

@@ -1,4 +1,4 @@
-"""PNG plots of a finished sweep: optimization history, parameter importances, ASHA rungs."""
+"""PNG plots of a finished sweep: optimization history, the anytime curve, parameter importances, ASHA rungs."""
 
 import io
 
@@ -37,6 +37,17 @@ def parameter_importances(sweep: SweepConfig, trials: pd.DataFrame) -> dict[str,
     return optuna.importance.get_param_importances(study)
 
 
+def anytime_curve(curves: dict[str, pd.DataFrame], metric: str) -> pd.DataFrame:
+    """The best ``metric`` so far against the training steps all trials had spent so far, at every
+    evaluation of the sweep in time order (``curves``: trial id -> its evaluations: step, metric, time)."""
+    evaluations = pd.concat([curve.assign(trial=trial_id) for trial_id, curve in curves.items()])
+    evaluations = evaluations.sort_values("time", kind="stable")
+    # Steps of each trial counted once: those a trial resumed from its checkpoint redoes are not added again.
+    spent = evaluations.groupby("trial")["step"].cummax().groupby(evaluations["trial"]).diff()
+    spent = spent.fillna(evaluations["step"])
+    return pd.DataFrame({"steps": spent.cumsum().to_numpy(), "best": evaluations[metric].cummin().to_numpy()})
+
+
 def save_plots(sweep: SweepConfig, trials: pd.DataFrame, curves: dict[str, pd.DataFrame], path: str) -> list[str]:
     """Write the plots into ``path`` (local or URI); their paths."""
     trials = trials[trials["val_loss"].notna()]  # trials that failed before reporting have nothing to plot
@@ -49,6 +60,12 @@ def save_plots(sweep: SweepConfig, trials: pd.DataFrame, curves: dict[str, pd.Da
     ax.set(xlabel="trials, in order of completion", ylabel=sweep.metric, title=f"{sweep.name}: optimization history")
     ax.legend()
     figures["optimization_history.png"] = fig
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    anytime = anytime_curve(curves, sweep.metric)
+    ax.step(anytime["steps"], anytime["best"], where="post")
+    ax.set(xlabel="training steps spent by all trials", ylabel=f"best {sweep.metric}", title=f"{sweep.name}: anytime")
+    figures["anytime.png"] = fig
 
     if len(trials) >= 2:
         importances = parameter_importances(sweep, trials)

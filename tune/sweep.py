@@ -27,6 +27,7 @@ from train.preflight import check_before_ray
 from train.schema import ConfigError, replace
 from tune.config import SweepConfig, sweep_config_from_dict, tune_space
 from tune.plots import save_plots
+from tune.progress import NotebookProgress, in_notebook
 from tune.search import StepAwareOptunaSearch
 from tune.trial import run_trial, sweep_dir, trial_config
 
@@ -110,6 +111,7 @@ def run_sweep_config(sweep: SweepConfig) -> SweepResult:
             name=sweep.name,
             storage_path=storage.absolute(storage.join(sweep.storage_root(), "sweeps")),
             failure_config=tune.FailureConfig(max_failures=sweep.max_failures),
+            callbacks=[NotebookProgress(sweep.metric, list(sweep.space))] if in_notebook() else [],
         ),
     )
     return summarize(sweep, tuner.fit(), data_path)
@@ -147,7 +149,7 @@ def summarize(sweep: SweepConfig, results, data_path: str) -> SweepResult:
             "node_id": result.metrics.get("node_id"),
         }
         if reported:
-            curves[row["trial_id"]] = history[["step", sweep.metric]].drop_duplicates("step", keep="last")
+            curves[row["trial_id"]] = history[["step", sweep.metric, "time"]].drop_duplicates("step", keep="last")
         rows.append(row)
     if not curves:
         raise RuntimeError(f"sweep {sweep.name}: no trial reported {sweep.metric}; see the logs in {sweep_dir(sweep)}")
