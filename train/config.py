@@ -143,9 +143,9 @@ class CheckpointConfig(Section):
     """Write checkpoint files (and upload them) on a background thread while training goes on; training
     waits only for a host copy of the state. The checkpoint counts once every worker's files are written;
     one is in flight at a time; a pre-emption's checkpoints and the last one are waited for."""
-    preemption_check_s: float = Field(2.0, gt=0.0)
-    """How often to ask Ray whether a node is being pre-empted (a round trip through Ray Train, ~11 ms;
-    Ray itself polls drain state every 5 s)."""
+    preemption_check_s: float = Field(5.0, gt=0.0)
+    """How often to ask Ray whether a node is being pre-empted (a round trip through Ray Train, ~11 ms,
+    and a broadcast); Ray itself learns of a drain every 5 s, so asking more often finds nothing sooner."""
 
 
 class RunConfig(Section):

@@ -4,8 +4,9 @@ A decision that leads ranks into collectives must be the same on every rank, or 
 collectives until the timeout. Step counts are the same everywhere, and Ray Train's
 ``get_preemption_info`` agrees one value across the workers (every worker calls it at the same steps);
 only clocks differ, and what rank 0 alone reads (an early-checkpoint request). So rank 0's view is
-broadcast, in one collective, on the steps where it can decide something (pre-emption polls, time-based
-checkpoints, a pre-emption deadline), and ``StepPolicy`` decides from inputs identical on every rank.
+broadcast, in one collective, on the steps where it can decide something (pre-emption polls, which
+time-based checkpoints ride along, and every step while a pre-emption deadline nears), and
+``StepPolicy`` decides from inputs identical on every rank.
 """
 
 from dataclasses import dataclass
@@ -68,8 +69,12 @@ class StepPolicy:
         self.deadline: float | None = None  # of the pre-emption notice, until the last checkpoint before it
 
     def needs_view(self) -> bool:
-        """Whether this step's decision may depend on the time (then pass ``share_rank0_view`` to ``decide``)."""
-        return self.every_seconds > 0 or self.deadline is not None
+        """Whether every step's decision depends on the time (then pass ``share_rank0_view`` to ``decide``).
+
+        Only a pre-emption deadline needs it; time-based checkpoints are decided on the steps that get
+        a view anyway (pre-emption polls, every few seconds), which a schedule in minutes does not notice.
+        """
+        return self.deadline is not None
 
     def decide(self, step: int, notice: Notice | None, view: Rank0View | None) -> Decision:
         """The decision after ``step``, given a pre-emption notice seen at this step, if any."""
@@ -91,6 +96,6 @@ class StepPolicy:
             return "final"
         if self.every_steps and step % self.every_steps == 0:
             return "steps"
-        if self.every_seconds and view.now - view.last_save >= self.every_seconds:
+        if self.every_seconds and view is not None and view.now - view.last_save >= self.every_seconds:
             return "minutes"
         return ""

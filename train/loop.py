@@ -155,7 +155,7 @@ class Trainer:
         # Every rank gathers the rows; rank 0 writes them, and makes them visible at each checkpoint.
         log = cfg.run.sample_log and self.rank == 0
         self.sample_log = JsonlLog(storage.join(self.run_uri, SAMPLE_LOG)) if log else None
-        self.preemption_check_every = 1  # steps; set from the measured step time at each loss report
+        self.preemption_check_every = 1  # steps between pre-emption checks; set from the step time at each loss report
         self.steps_to_preemption_check = 1
         self.last_save = time.time()  # the time-based schedule starts with the attempt
         # Early-checkpoint requests up to this time are answered (by the checkpoint resumed from, if any).
@@ -279,19 +279,21 @@ class Trainer:
         }
 
     def _notice_and_view(self, step_seconds: float) -> tuple[Notice | None, Rank0View | None]:
-        """Ray's pre-emption notice, asked every few steps (a round trip; the same steps on every rank,
-        which its agreement across workers needs), and rank 0's view where the decision may need it."""
+        """Every few seconds' worth of steps (the same steps on every rank, which the agreement of Ray's
+        notice across workers needs): Ray's pre-emption notice (a round trip) and rank 0's view; rank 0's
+        view on the other steps only where the decision needs it (a pre-emption deadline nears)."""
         self.steps_to_preemption_check -= 1
-        poll = not self.policy.notice_seen and self.steps_to_preemption_check <= 0
-        notice = None
-        if poll:
+        due = self.steps_to_preemption_check <= 0
+        if due:
             self.steps_to_preemption_check = self.preemption_check_every
+        notice = None
+        if due and not self.policy.notice_seen:
             info = self._preemption_info()
             if info is not None:
                 notice = Notice(deadline=info.deadline_ms / 1000 if info.deadline_ms else None)
-        if not (poll or self.policy.needs_view()):
+        if not (due or self.policy.needs_view()):
             return notice, None
-        requested = latest_checkpoint_request(self.run_uri) if poll and self.rank == 0 else 0.0
+        requested = latest_checkpoint_request(self.run_uri) if due and self.rank == 0 else 0.0
         mine = Rank0View(time.time(), self.last_save, step_seconds, self.save_seconds, requested, self.answered_until)
         return notice, share_rank0_view(mine, self.engine.device)
 
