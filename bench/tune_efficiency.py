@@ -18,7 +18,6 @@ import argparse
 import json
 import statistics
 import tempfile
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 import pandas as pd
@@ -40,14 +39,6 @@ METHODS = {
     "tpe": {"search": "tpe", "early_stopping": "none"},
     "tpe_asha": {"search": "tpe", "early_stopping": "asha"},
 }
-
-
-def curves_of(sweep_dir: Path) -> dict[str, pd.DataFrame]:
-    """Every trial's evaluations (step, val_loss, time), from Tune's per-trial progress files."""
-    return {
-        progress.parent.name: pd.read_csv(progress)[["step", "val_loss", "time"]]
-        for progress in sweep_dir.glob("run_trial*/progress.csv")
-    }
 
 
 def steps_to_target(curve: pd.DataFrame, target: float, budget: int) -> int:
@@ -91,7 +82,7 @@ def main() -> None:
     for seed in range(args.seeds):
         for method, options in METHODS.items():
             result = run_sweep("tiny", SPACE, name=f"{method}-{seed}", seed=seed, **common, **options)
-            curves[(method, seed)] = anytime_curve(curves_of(Path(result.path)), "val_loss")
+            curves[(method, seed)] = anytime_curve(result.curves, "val_loss")
             print(method, seed, "best", round(curves[(method, seed)]["best"].iloc[-1], 4), flush=True)
     target = statistics.median(curves[("random", seed)]["best"].iloc[-1] for seed in range(args.seeds))
     budget = args.trials * args.steps

@@ -41,6 +41,7 @@ class SweepResult:
     best: dict[str, Any]  # the best trial's row
     best_recipe: str  # path of the train recipe with the best parameters
     plots: list[str]
+    curves: dict[str, pd.DataFrame]  # trial id -> its evaluations: step, metric, time
 
 
 def _trainable(sweep: SweepConfig):
@@ -160,7 +161,7 @@ def summarize(sweep: SweepConfig, results, data_path: str) -> SweepResult:
     storage.write_bytes(storage.join(path, "trials.csv"), trials.to_csv(index=False).encode())
     recipe = write_best_recipe(sweep, best, data_path)
     plots = save_plots(sweep, trials, curves, path)
-    return SweepResult(path, trials, best, recipe, plots)
+    return SweepResult(path, trials, best, recipe, plots, curves)
 
 
 def write_best_recipe(sweep: SweepConfig, best: dict[str, Any], data_path: str) -> str:
