@@ -9,7 +9,7 @@ import torch
 
 from serve.decoder import Decoder
 from serve.engine import GENERATION_FAILED, ContinuousBatcher, Engine, GenerationParams, Sequence
-from serve.precision import Int8Linear, apply_precision
+from serve.precision import EXACT_FLOAT32_K, Int8Linear, apply_precision, int8_matmul
 from serve.sampling import apply_penalties, make_generator, next_token, token_logprob
 from serve.textstream import TextStream
 from tests.conftest import MEMORIZED_TEXT
@@ -42,6 +42,15 @@ def test_int8_linear_is_close_to_float_and_independent_of_the_batch():
     assert relative < 0.02
     # Each row gets its own activation scale: a row's output is the same alone or among others.
     assert torch.equal(quantized(x[3:4]), quantized(x)[3:4])
+
+
+@pytest.mark.parametrize("k", [64, EXACT_FLOAT32_K, 3 * EXACT_FLOAT32_K + 7])
+def test_int8_matmul_on_float_units_is_exact(k):
+    torch.manual_seed(0)
+    a = torch.randint(-127, 128, (32, k), dtype=torch.int8)
+    b = torch.randint(-127, 128, (k, 24), dtype=torch.int8)
+    a[0], b[:, 0] = 127, 127  # the largest sum there is, where float32 would first round
+    assert torch.equal(int8_matmul(a, b), torch._int_mm(a, b).float())
 
 
 def test_fp8_is_refused_on_cpu():
