@@ -77,13 +77,11 @@ def replay_asha(curves: dict[str, pd.DataFrame], target: float, grace: int, fact
 
 def plot(curves: dict[tuple[str, int], pd.DataFrame], target: float, path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for index, method in enumerate(METHODS):
-        if not any(name == method for name, _ in curves):
-            continue
-        for (name, _), curve in curves.items():
-            if name == method:
-                ax.step(curve["steps"], curve["best"], where="post", color=f"C{index}", alpha=0.5, linewidth=1)
-        ax.plot([], [], color=f"C{index}", label=method)
+    colors = {method: f"C{index}" for index, method in enumerate(METHODS)}  # the same colour whichever ran
+    for (method, _), curve in curves.items():
+        ax.step(curve["steps"], curve["best"], where="post", color=colors[method], alpha=0.5, linewidth=1)
+    for method in dict.fromkeys(method for method, _ in curves):
+        ax.plot([], [], color=colors[method], label=method)
     ax.axhline(target, color="black", linestyle=":", linewidth=1, label="target (random's median final best)")
     ax.set(xlabel="training steps spent by all trials", ylabel="best val_loss so far", title="P5: anytime curves")
     ax.set_xscale("log")
