@@ -114,7 +114,7 @@ def test_help_documents_the_settings(cli):
     ).stdout
     expected = {
         "train": ["optim.lr  (float, default 0.001)", "Peak learning rate", "deepspeed.zero_stage  (0|1|2|3"],
-        "tune": ["space  (dict[str, dict[str, Any]], required)", "grace_period  (int, default 10)"],
+        "tune": ["space  (dict[str, dict[str, Any]], required)", "grace_period  (int, default 20)"],
         "serve": ["precision  (auto|fp32|bf16|int8|fp8, default auto)", "api_key_file"],
         "cluster": ["python -m train --help"],
     }[cli]

@@ -20,7 +20,7 @@ from train.launch import run_training
 from train.schema import ConfigError
 from tune.__main__ import main as tune_main
 from tune.config import SWEEP_DIR, load_sweep_config, sweep_config_from_dict
-from tune.sweep import resume_sweep, run_sweep
+from tune.sweep import SweepResult, resume_sweep, run_sweep
 
 REPO = Path(__file__).resolve().parent.parent
 SPACE = {
@@ -39,6 +39,12 @@ def max_overlap(trials: pd.DataFrame) -> int:
         running += change
         most = max(most, running)
     return most
+
+
+def short_sweep(tmp_path: Path, name: str, space: dict, **options) -> SweepResult:
+    """A sweep of SHORT trials without early stopping, two at a time on one CPU each, stored in tmp_path."""
+    common = {"set": SHORT, "max_concurrent_trials": 2, "early_stopping": "none", "trial_resources": {"CPU": 1}}
+    return run_sweep("tiny", space, name=name, storage_path=str(tmp_path), **common, **options)
 
 
 BAD_SPACES = [
@@ -188,20 +194,19 @@ def test_trial_resumes_from_its_checkpoint_on_another_spot_node(ray_session, tin
     assert steps.count(0) == 1 and sorted(set(steps)) == list(range(0, 81, 10)), steps
 
 
+def test_a_sweep_ends_once_its_step_budget_is_spent(ray_session, tiny_dataset, tmp_path):
+    """step_budget: 60 steps of 40-step trials -> the sweep stops after two trials' worth, not eight."""
+    result = short_sweep(tmp_path, "budget", SPACE, num_trials=8, step_budget=60)
+    spent = result.trials["steps"].sum()
+    # Two trials run at once: the one that was not the first to cross the budget may add an evaluation.
+    assert 60 <= spent <= 60 + 2 * 10, result.trials
+    assert len(result.trials) < 8 and result.trials["stopped_early"].any()
+
+
 def test_multi_worker_trials_run_deepspeed_on_ray_train_inside_tune(ray_session, tiny_dataset, tmp_path):
     """trial_workers: 2 -> every trial is a 2-worker Ray Train DeepSpeed job; two of them run at once."""
-    result = run_sweep(
-        "tiny",
-        {"deepspeed.zero_stage": {"choice": [1, 3]}, "optim.lr": {"loguniform": [1e-3, 1e-2]}},
-        name="multi",
-        set=SHORT,
-        num_trials=2,
-        max_concurrent_trials=2,
-        early_stopping="none",
-        trial_workers=2,
-        trial_resources={"CPU": 1},
-        storage_path=str(tmp_path),
-    )
+    space = {"deepspeed.zero_stage": {"choice": [1, 3]}, "optim.lr": {"loguniform": [1e-3, 1e-2]}}
+    result = short_sweep(tmp_path, "multi", space, num_trials=2, trial_workers=2)
     trials = result.trials
     assert len(trials) == 2 and not trials["error"].any() and (trials["steps"] == 40).all()
     assert max_overlap(trials) == 2

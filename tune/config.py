@@ -48,19 +48,28 @@ class SweepConfig(Section):
     """Seeds the sampler: the same seed proposes the same trials."""
     search: Literal["tpe", "random"] = "tpe"
     """Optuna's TPE, or random search."""
-    tpe_startup_trials: int = Field(4, ge=1)
-    """Random trials before TPE models the space (Optuna's default, 10, is a whole small sweep)."""
+    tpe_startup_trials: int = Field(10, ge=1)
+    """Random trials before TPE models the space (Optuna's default; a sweep of a few trials wants fewer)."""
+    tpe_random_fraction: float = Field(1 / 3, ge=0, lt=1)
+    """Of TPE's proposals after the start-up, this fraction is drawn at random (BOHB's 1/3), so that TPE
+    does not lock on the region of the first trials that did well."""
     tpe_multivariate: bool = True
     """TPE models the parameters jointly (learning rate and width interact), not one at a time."""
     tpe_constant_liar: bool = True
     """TPE counts running trials as bad results, so concurrent trials are not proposed on top of each other."""
     early_stopping: Literal["asha", "none"] = "asha"
     """ASHA stops trials that fall behind at its rungs; none runs every trial to the end."""
-    grace_period: int = Field(10, ge=1)
+    grace_period: int = Field(20, ge=1)
     """Steps every trial trains before ASHA may stop it; at least the longest learning-rate warm-up the
     base and space allow, so that no trial is judged while its learning rate is still rising."""
-    reduction_factor: int = Field(2, ge=2)
+    reduction_factor: int = Field(3, ge=2)
     """ASHA keeps the best 1/reduction_factor of the trials at each rung."""
+    step_budget: int = Field(0, ge=0)
+    """End the sweep once its trials have trained this many steps in all (0: no limit). With ASHA the
+    steps, not the trials, are what a sweep costs; num_trials then only caps the count. A resumed sweep
+    counts its steps afresh."""
+    target: float | None = None
+    """End the sweep once a trial's metric reaches this value (None: run to the end)."""
     metric: Literal["val_loss"] = "val_loss"
     """What the sweep minimizes."""
     trial_workers: int = Field(1, ge=1)
@@ -144,6 +153,11 @@ def check_space(sweep: SweepConfig) -> None:
         raise ConfigError(
             f"grace_period: {sweep.grace_period} steps would judge trials still warming up "
             f"(optim.warmup_steps up to {longest_warmup}); make it at least {longest_warmup}"
+        )
+    if sweep.early_stopping == "asha" and sweep.grace_period >= base.optim.max_steps:
+        raise ConfigError(
+            f"grace_period: {sweep.grace_period} steps is not below optim.max_steps ({base.optim.max_steps}), "
+            "so ASHA would never stop a trial; lower it or set early_stopping: none"
         )
     for key, values in candidates.items():
         for value in values:

@@ -13,13 +13,13 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import optuna
 import pandas as pd
 import yaml
 from ray import tune
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search import ConcurrencyLimiter
 from ray.tune.search.basic_variant import BasicVariantGenerator
+from ray.tune.stopper import Stopper
 
 from train import storage
 from train.launch import ensure_dataset, init_ray, resources_offered
@@ -28,7 +28,7 @@ from train.schema import ConfigError, replace
 from tune.config import SweepConfig, sweep_config_from_dict, tune_space
 from tune.plots import save_plots
 from tune.progress import NotebookProgress, in_notebook
-from tune.search import StepAwareOptunaSearch
+from tune.search import ExploringTPESampler, StepAwareOptunaSearch
 from tune.trial import run_trial, sweep_dir, trial_config
 
 SWEEP_FILE = "sweep.yaml"
@@ -61,10 +61,33 @@ def _trainable(sweep: SweepConfig):
     return tune.with_resources(trainable, resources), data_path
 
 
+class SweepBudget(Stopper):
+    """Ends the sweep once its trials have trained ``step_budget`` steps in all, or one reached ``target``.
+    Steps a trial redoes after resuming from its checkpoint are not counted again."""
+
+    def __init__(self, sweep: SweepConfig):
+        self.metric, self.step_budget, self.target = sweep.metric, sweep.step_budget, sweep.target
+        self.last_step: dict[str, int] = {}
+        self.spent = 0
+        self.best = float("inf")
+
+    def __call__(self, trial_id: str, result: dict) -> bool:
+        step = result["step"]
+        self.spent += max(0, step - self.last_step.get(trial_id, 0))
+        self.last_step[trial_id] = max(step, self.last_step.get(trial_id, 0))
+        self.best = min(self.best, result.get(self.metric, float("inf")))
+        return False  # trials are ASHA's to stop; this only ends the whole sweep
+
+    def stop_all(self) -> bool:
+        spent_all = 0 < self.step_budget <= self.spent
+        return spent_all or (self.target is not None and self.best <= self.target)
+
+
 def _tuner_parts(sweep: SweepConfig):
     max_steps = sweep.base_config().optim.max_steps  # the space may not change it: rungs are in steps
     if sweep.search == "tpe":
-        sampler = optuna.samplers.TPESampler(
+        sampler = ExploringTPESampler(
+            random_fraction=sweep.tpe_random_fraction,
             seed=sweep.seed,
             n_startup_trials=sweep.tpe_startup_trials,
             multivariate=sweep.tpe_multivariate,
@@ -112,6 +135,7 @@ def run_sweep_config(sweep: SweepConfig) -> SweepResult:
             name=sweep.name,
             storage_path=storage.absolute(storage.join(sweep.storage_root(), "sweeps")),
             failure_config=tune.FailureConfig(max_failures=sweep.max_failures),
+            stop=SweepBudget(sweep),
             callbacks=[NotebookProgress(sweep.metric, list(sweep.space))] if in_notebook() else [],
         ),
     )
@@ -135,6 +159,8 @@ def summarize(sweep: SweepConfig, results, data_path: str) -> SweepResult:
     max_steps = sweep.base_config().optim.max_steps
     rows, curves = [], {}
     for result in results:
+        if result.config is None:  # proposed, but the sweep ended (step_budget, target) before it started
+            continue
         history = result.metrics_dataframe
         reported = history is not None and sweep.metric in history
         row = {
