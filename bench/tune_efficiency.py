@@ -1,26 +1,31 @@
 """P5: training steps a search method needs to reach random search's result ÷ those random search needs.
 
-    python bench/tune_efficiency.py [--seeds 5] [--trials 32] [--steps 60] [--plot bench/p5_anytime.png]
-                                    [--methods random tpe_asha]
+    python bench/tune_efficiency.py [--seeds 5] [--trials 32] [--steps 180] [--plot bench/p5_anytime.png]
+                                    [--methods random tpe_asha] [--root DIR]
 
-Four methods sweep the same space on the tiny recipe, each ``--seeds`` times with ``--trials``
-single-worker trials of ``--steps`` steps, 2 at a time: random search without early stopping,
-random search with ASHA, TPE without early stopping, TPE with ASHA (the sweep file's defaults:
-multivariate TPE with a constant liar, stopped trials told to TPE as pruned, grace period = the
-longest warm-up). Each sweep gives an anytime curve: the best validation loss so far against the
-training steps all its trials had spent so far (``tune.plots.anytime_curve``). The target is the
-median over seeds of random search's final best. A method's cost in a seed is the steps spent when
-its curve first reaches the target; a sweep that never does is charged its whole budget.
-P5 = the median cost of TPE + ASHA ÷ the median cost of random search. Step counts, not seconds:
-the figure does not depend on the machine's load. The curves go to ``--plot``. The tiny recipe is
-cut to 64-token sequences and 64 validation samples so that 5 × 32 trials of each method fit in a
-few hours of two cores; ``--methods random tpe_asha`` runs only the two that P5 compares.
+Four methods sweep the same space on the tiny recipe, each ``--seeds`` times, 2 trials at a time: random
+search without early stopping (``--trials`` single-worker trials of ``--steps`` steps), random search
+with ASHA, TPE without early stopping, TPE with ASHA (the sweep file's defaults: multivariate TPE with
+a constant liar and a third of its proposals random, stopped trials told to TPE as pruned, ASHA's
+first rung after the longest warm-up). Every method gets the same compute, random search's
+``--trials`` × ``--steps`` training steps: ASHA stops most trials early, so its sweeps run more trials
+until that budget is spent (``step_budget``). Each sweep gives an anytime curve: the best validation
+loss so far against the training steps all its trials had spent so far (``tune.plots.anytime_curve``).
+Random search runs first; the target is the median over seeds of its final best. A method's cost in a
+seed is the steps spent when its curve first reaches the target (its sweep ends there: what follows
+changes no figure); a sweep that never does is charged the whole budget. P5 = the median cost of
+TPE + ASHA ÷ the median cost of random search. Step counts, not seconds: the figure does not depend on
+the machine's load. The curves go to ``--plot``. The tiny recipe is cut to 64-token sequences and 64
+validation samples so that the sweeps fit in hours of two cores; ``--methods random tpe_asha`` runs
+only the two that P5 compares. A finished sweep already in ``--root`` (from an earlier run with the
+same settings) is read, not run again: a run cut short goes on where it stopped.
 """
 
 import argparse
 import json
 import statistics
 import tempfile
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -47,7 +52,7 @@ METHODS = {
 
 def steps_to_target(curve: pd.DataFrame, target: float, budget: int) -> int:
     reached = curve.index[curve["best"] <= target]
-    return int(curve.loc[reached[0], "steps"]) if len(reached) else budget
+    return min(int(curve.loc[reached[0], "steps"]), budget) if len(reached) else budget
 
 
 def replay_asha(curves: dict[str, pd.DataFrame], target: float, grace: int, factor: int, max_steps: int) -> int:
@@ -90,18 +95,32 @@ def plot(curves: dict[tuple[str, int], pd.DataFrame], target: float, path: str) 
     fig.savefig(path, dpi=100)
 
 
+def finished_sweep_curves(path: Path) -> dict[str, pd.DataFrame]:
+    """The evaluations of each trial of the finished sweep in ``path``, as ``SweepResult.curves`` has them."""
+    if not (path / "trials.csv").exists():
+        raise SystemExit(f"{path} holds an unfinished sweep: remove it, or give another --root")
+    return {
+        progress.parent.name: pd.read_csv(progress)[["step", "val_loss", "time"]].drop_duplicates("step", keep="last")
+        for progress in path.glob("run_trial_*/progress.csv")
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--trials", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--trials", type=int, default=32, help="random search's trials; the others get its steps")
+    parser.add_argument("--steps", type=int, default=180)
+    parser.add_argument("--grace-period", type=int, default=20, help="ASHA's first rung, in steps")
+    parser.add_argument("--reduction-factor", type=int, default=3, help="ASHA keeps the best 1/this at each rung")
     parser.add_argument("--plot", default="bench/p5_anytime.png")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    parser.add_argument("--root", help="where the sweeps go (default: a new temporary directory)")
     args = parser.parse_args()
     if not {"random", "tpe_asha"} <= set(args.methods):
         parser.error("--methods must include random and tpe_asha, the two P5 compares")
-    root = tempfile.mkdtemp(prefix="rw-p5-")
+    root = args.root or tempfile.mkdtemp(prefix="rw-p5-")
     print("sweeps and curves in", root, flush=True)
+    budget = args.trials * args.steps
     common = {
         "set": [
             f"optim.max_steps={args.steps}",
@@ -110,25 +129,34 @@ def main() -> None:
             "run.eval_samples=64",
             "checkpoint.every_steps=0",
         ],
-        "num_trials": args.trials,
         "max_concurrent_trials": 2,
-        "grace_period": 10,
-        "reduction_factor": 3,
+        "grace_period": args.grace_period,
+        "reduction_factor": args.reduction_factor,
         "trial_resources": {"CPU": 1},
         "storage_path": root,
     }
-    curves, random_trials = {}, {}
-    for seed in range(args.seeds):
-        for method in args.methods:
-            options = METHODS[method]
-            result = run_sweep("tiny", SPACE, name=f"{method}-{seed}", seed=seed, **common, **options)
-            curves[(method, seed)] = anytime_curve(result.curves, "val_loss")
-            if method == "random":
-                random_trials[seed] = result.curves
-            curves[(method, seed)].to_csv(f"{root}/{method}-{seed}.csv")  # kept as they come, for a cut-short run
-            print(method, seed, "best", round(curves[(method, seed)]["best"].iloc[-1], 4), flush=True)
+
+    curves = {}
+
+    def sweep(method: str, seed: int, **options) -> dict[str, pd.DataFrame]:
+        name = f"{method}-{seed}"
+        path = Path(root, "sweeps", name)
+        trials = (
+            finished_sweep_curves(path)
+            if path.exists()
+            else run_sweep("tiny", SPACE, name=name, seed=seed, **common, **METHODS[method], **options).curves
+        )
+        curves[(method, seed)] = anytime_curve(trials, "val_loss")
+        print(method, seed, "best", round(curves[(method, seed)]["best"].iloc[-1], 4), flush=True)
+        return trials
+
+    random_trials = {seed: sweep("random", seed, num_trials=args.trials) for seed in range(args.seeds)}
     target = statistics.median(curves[("random", seed)]["best"].iloc[-1] for seed in range(args.seeds))
-    budget = args.trials * args.steps
+    for method in (method for method in args.methods if method != "random"):
+        # ASHA's sweeps: as many trials as the budget pays for, every one stopped at the first rung at most.
+        trials = budget // args.grace_period if METHODS[method]["early_stopping"] == "asha" else args.trials
+        for seed in range(args.seeds):
+            sweep(method, seed, num_trials=trials, step_budget=budget, target=target)
     costs = {
         method: [steps_to_target(curves[(method, seed)], target, budget) for seed in range(args.seeds)]
         for method in args.methods
@@ -139,7 +167,7 @@ def main() -> None:
             replay_asha(random_trials[seed], target, grace, factor, args.steps) for seed in range(args.seeds)
         )
         / median_cost["random"]
-        for grace, factor in ((10, 2), (10, 3), (10, 4), (20, 3))
+        for grace, factor in ((10, 2), (10, 3), (20, 2), (20, 3))
     }
     plot(curves, target, args.plot)
     print(
