@@ -1,13 +1,13 @@
-"""P2: per-worker bytes of parameters + gradients + optimizer state, ZeRO-3 / ZeRO-0, 2 workers.
+"""P2: per-worker bytes of parameters + gradients + optimizer state, ZeRO-3 / ZeRO-0, bf16, 4 workers.
 
-    python bench/p2_zero_memory.py [--set model.d_model=512 ...]
+    python bench/p2_zero_memory.py [--workers 4] [--set deepspeed.precision=fp32 ...]
 
 Each worker builds the raywright engine for the stage, takes one optimizer step (so that Adam
 moments exist), runs the next step's backward passes (so that gradients exist) and counts the
 bytes of every distinct tensor storage held by the model's parameters (and their ZeRO-3
 partitions), their gradients, and the DeepSpeed optimizer (master weights, moments, flat
 gradient partitions, buffers). The figure is the largest count over the workers.
-Ideal P2 at 2 workers: 0.50.
+Ideal P2 at N workers: 1/N.
 """
 
 import argparse
@@ -69,13 +69,13 @@ def measure(args: dict) -> None:
             json.dump({"bytes_per_worker": held.item()}, f)
 
 
-def bytes_per_worker(stage: int, overrides: list[str]) -> float:
-    cfg = load_config("tiny", [f"deepspeed.zero_stage={stage}", "scaling.num_workers=2", *overrides])
+def bytes_per_worker(stage: int, workers: int, overrides: list[str]) -> float:
+    cfg = load_config("tiny", [f"deepspeed.zero_stage={stage}", f"scaling.num_workers={workers}", *overrides])
     out = tempfile.mktemp(suffix=".json")
     trainer = TorchTrainer(
         measure,
         train_loop_config={"config": cfg.to_dict(), "out": out},
-        scaling_config=ScalingConfig(num_workers=2),
+        scaling_config=ScalingConfig(num_workers=workers),
         torch_config=TorchConfig(backend="gloo"),
     )
     trainer.fit()
@@ -85,10 +85,14 @@ def bytes_per_worker(stage: int, overrides: list[str]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--set", action="append", default=["model.d_model=512", "model.n_layer=8", "model.n_head=8"])
+    parser.add_argument("--workers", type=int, default=4)
+    # 8x512 (25.4M params) in bf16; micro-batch 4 splits tiny's global batch of 16 over 4 workers.
+    model = ["model.d_model=512", "model.n_layer=8", "model.n_head=8"]
+    default_set = [*model, "deepspeed.precision=bf16", "optim.micro_batch_size=4"]
+    parser.add_argument("--set", action="append", default=default_set, help="a training config override")
     args = parser.parse_args()
-    ray.init(address="local", num_cpus=4, include_dashboard=False)
-    zero0, zero3 = (bytes_per_worker(stage, args.set) for stage in (0, 3))
+    ray.init(address="local", num_cpus=args.workers, include_dashboard=False)
+    zero0, zero3 = (bytes_per_worker(stage, args.workers, args.set) for stage in (0, 3))
     params = GPT(load_config("tiny", args.set).model).num_params()
     print(json.dumps({"P2": zero3 / zero0, "zero0_bytes": zero0, "zero3_bytes": zero3, "params": params}, indent=2))
 
