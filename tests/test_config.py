@@ -21,8 +21,12 @@ def test_every_shipped_recipe_loads(recipe):
     [
         ("optim.lrr=1", "unknown key optim.lrr; optim allows: ['betas'"),
         ("nosuch.key=1", "unknown key nosuch; the top level allows: ['checkpoint'"),
-        ("deepspeed.zero_stage=5", "deepspeed.zero_stage: 5 is not one of [0, 1, 2, 3]"),
-        ("deepspeed.zero_stage=true", "deepspeed.zero_stage: must be 0, 1, 2 or 3, got True"),
+        ("deepspeed.zero_stage=5", "deepspeed.zero_stage: 5 is not one of [0, 1, 2, 3, 'auto']"),
+        ("deepspeed.zero_stage=true", "deepspeed.zero_stage: must be 0, 1, 2, 3 or auto, got True"),
+        (
+            "deepspeed={zero_stage: auto, offload_optimizer: true}",
+            "deepspeed: offload_optimizer needs zero_stage 1, 2 or 3, not auto",
+        ),
         ("deepspeed.precision=fp8", "deepspeed.precision: 'fp8' is not one of ['fp32', 'bf16', 'fp16']"),
         ("optim.max_steps=ten", "optim.max_steps: 'ten' is not an integer"),
         ("optim.max_steps=true", "optim.max_steps: True is not an integer"),

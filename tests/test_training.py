@@ -17,6 +17,7 @@ from train import checkpoint, storage
 from train.export import load_exported
 from train.launch import run_training, run_uri
 from train.metrics import read_metrics
+from train.schema import replace
 from train.timeline import progress_of
 
 pytestmark = pytest.mark.cluster
@@ -55,6 +56,17 @@ def test_zero_stages_1_2_3_learn_the_same_thing(tiny_config):
     provenance = export.provenance
     assert provenance["step"] == 20 and provenance["data_manifest_sha256"]
     assert provenance["config"]["deepspeed"]["zero_stage"] == 3
+
+    # zero_stage auto picks stage 0 for the tiny model on a CPU node, and learns the same thing.
+    auto = tiny_config("deepspeed.zero_stage=auto", "run.name=auto", "optim.max_steps=20", "run.log_every=5")
+    assert load_exported(run_training(auto).export).provenance["config"]["deepspeed"]["zero_stage"] == 0
+    assert _train_losses(auto)[20] == pytest.approx(losses[1][20], abs=1e-4)
+    # An auto run keeps the stage its checkpoint was written with: the stage-3 run resumes at stage 3.
+    resumed = run_training(
+        replace(cfg, deepspeed=replace(cfg.deepspeed, zero_stage="auto"), optim=replace(cfg.optim, max_steps=25))
+    )
+    assert resumed.steps == 25
+    assert load_exported(resumed.export).provenance["config"]["deepspeed"]["zero_stage"] == 3
 
 
 def test_resume_skips_half_written_checkpoint_and_matches_uninterrupted_losses(tiny_config, caplog):

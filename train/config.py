@@ -69,8 +69,10 @@ class OptimConfig(Section):
 
 
 class DeepSpeedConfig(Section):
-    zero_stage: Literal[0, 1, 2, 3] = 0
-    """ZeRO stage: 0 replicates everything, 1 shards optimizer state, 2 also gradients, 3 also parameters."""
+    zero_stage: Literal[0, 1, 2, 3, "auto"] = 0
+    """ZeRO stage: 0 replicates everything, 1 shards optimizer state, 2 also gradients, 3 also parameters;
+    auto: the lowest stage whose model states and activations fit each worker's memory at the run's smallest
+    size (train/memory.py), chosen when the run starts and kept for the run."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Training precision (bf16 and fp16 keep fp32 master weights)."""
     offload_optimizer: bool = False
@@ -84,13 +86,13 @@ class DeepSpeedConfig(Section):
     @classmethod
     def _stage_is_not_bool(cls, value: Any) -> Any:
         if isinstance(value, bool):  # true == 1: a Literal[0, 1, 2, 3] alone would take it
-            raise ValueError("must be 0, 1, 2 or 3")
+            raise ValueError("must be 0, 1, 2, 3 or auto")
         return value
 
     @model_validator(mode="after")
     def _offload_needs_zero(self) -> "DeepSpeedConfig":
-        if self.offload_optimizer and self.zero_stage == 0:
-            raise ValueError("offload_optimizer needs zero_stage 1, 2 or 3")
+        if self.offload_optimizer and self.zero_stage in (0, "auto"):
+            raise ValueError(f"offload_optimizer needs zero_stage 1, 2 or 3, not {self.zero_stage}")
         if self.offload_params and self.zero_stage != 3:
             raise ValueError("offload_params needs zero_stage 3")
         return self

@@ -89,8 +89,14 @@ def _zero_buckets(stage: int, d_model: int) -> dict[str, Any]:
         zero["reduce_bucket_size"] = d_model * d_model
     if stage == 3:
         zero["stage3_prefetch_bucket_size"] = int(0.9 * d_model * d_model)
-        zero["stage3_param_persistence_threshold"] = 10 * d_model
+        zero["stage3_param_persistence_threshold"] = persistence_threshold(d_model)
     return zero
+
+
+def persistence_threshold(d_model: int) -> int:
+    """ZeRO-3 keeps parameters up to this many elements whole on every rank (norms, biases): gathering them
+    would cost more than holding them."""
+    return 10 * d_model
 
 
 def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:

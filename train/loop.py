@@ -6,6 +6,7 @@ newest complete checkpoint (converting it if the world size changed), then train
 """
 
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,10 +17,11 @@ import ray
 import ray.train
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 
 from train import checkpoint, storage
 from train.checkpoint_writer import BackgroundWriter
-from train.config import config_from_dict
+from train.config import TrainConfig, config_from_dict
 from train.data import load_split
 from train.decisions import Notice, Rank0View, StepPolicy, share_rank0_view
 from train.ds_config import build_engine
@@ -27,10 +29,12 @@ from train.early_checkpoint import latest_checkpoint_request, record_checkpoint
 from train.export import export_model, export_uri
 from train.hf_gpt2 import load_weights
 from train.loader import SampleOrder, micro_batch_samples
+from train.memory import choose_zero_stage, worker_capacity_bytes
 from train.metrics import format_progress, memory_gb, peak_tflops
 from train.model import GPT, flops_per_token
 from train.run_files import JsonlLog
 from train.schedule import lr_at
+from train.schema import replace
 from train.timeline import describe_resize
 from train.tokenizer import load_tokenizer
 
@@ -174,6 +178,8 @@ class Trainer:
             checkpoint.convert_to_universal(latest)
         self.startup["convert_s"] = time.time() - mark
 
+        if cfg.deepspeed.zero_stage == "auto":
+            self.cfg = cfg = self._with_fixed_zero_stage(latest)
         mark = time.time()
         torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
         model = GPT(cfg.model)
@@ -201,6 +207,24 @@ class Trainer:
         if self.timeline:
             self.timeline.attempt_started.remote(world, node_ids, self.step, self.startup)
         return latest
+
+    def _with_fixed_zero_stage(self, latest: dict[str, Any] | None) -> TrainConfig:
+        """The config with ``deepspeed.zero_stage: auto`` made a stage: the checkpoint's when the run resumes
+        (a run keeps its stage), else the one ``choose_zero_stage`` picks for the smallest worker."""
+        if latest is not None:
+            stage = latest["config"]["deepspeed"]["zero_stage"]
+        else:
+            device = torch.device(get_accelerator().current_device_name())
+            workers_on_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # set by Ray Train's torch backend
+            mine = worker_capacity_bytes(device, workers_on_node)
+            capacity = torch.tensor([mine], dtype=torch.float64, device=device)
+            # The smallest worker's memory, the same number on every rank: every rank makes the same choice.
+            dist.all_reduce(capacity, op=dist.ReduceOp.MIN)
+            choice = choose_zero_stage(self.cfg, int(capacity.item()))
+            if self.rank == 0:
+                print(choice.describe(), flush=True)
+            stage = choice.stage
+        return replace(self.cfg, deepspeed=replace(self.cfg.deepspeed, zero_stage=stage))
 
     def run(self) -> None:
         while self.step < self.cfg.optim.max_steps:

@@ -14,7 +14,7 @@ from train import storage
 from train.config import TrainConfig
 from train.data import dataset_path, default_source, list_source, load_manifest, manifest_sha256, refuse_foreign
 from train.ds_config import build_ds_config
-from train.schema import ConfigError
+from train.schema import ConfigError, replace
 from train.tokenizer import load_tokenizer
 
 
@@ -52,6 +52,8 @@ def check_deepspeed_file(cfg: TrainConfig) -> None:
         raise ConfigError(f"deepspeed.config_file: {path} is not valid JSON: {exc}") from None
     if not isinstance(override, dict):
         raise ConfigError(f"deepspeed.config_file: {path} must hold a JSON object")
+    if cfg.deepspeed.zero_stage == "auto":  # chosen on the workers; the batch keys do not depend on it
+        cfg = replace(cfg, deepspeed=replace(cfg.deepspeed, zero_stage=0))
     for world in range(cfg.scaling.min_workers, cfg.scaling.max_workers + 1):
         merged = build_ds_config(cfg, world)
         per_step = merged["train_micro_batch_size_per_gpu"] * merged["gradient_accumulation_steps"] * world
@@ -141,6 +143,8 @@ def check_resume(cfg: TrainConfig) -> None:
         section, name = key.split(".")
         return tree.get(section, {}).get(name)
 
+    if value(current, "deepspeed.zero_stage") == "auto":  # an auto run keeps the stage its checkpoint has
+        current["deepspeed"]["zero_stage"] = value(saved, "deepspeed.zero_stage")
     changed = [
         f"{key} {value(saved, key)!r} -> {value(current, key)!r}"
         for key in RESUME_MUST_MATCH

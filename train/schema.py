@@ -2,7 +2,7 @@
 
 A section is a pydantic model whose fields carry their types, ranges and Literals, and a docstring each
 (the ``--help`` text). ``parse`` turns pydantic's errors into one line that names the key, e.g.
-``deepspeed.zero_stage: 5 is not one of [0, 1, 2, 3]``. Types are strict: ``true`` is not a count and
+``deepspeed.zero_stage: 5 is not one of [0, 1, 2, 3, 'auto']``. Types are strict: ``true`` is not a count and
 ``"8"`` is not a number; ints widen to floats.
 """
 
