@@ -14,6 +14,8 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 from ray._common.test_utils import wait_for_condition
 
 from train import checkpoint, storage
+from train.config import load_config
+from train.data import prepare
 from train.export import load_exported
 from train.launch import run_training, run_uri
 from train.metrics import read_metrics
@@ -184,3 +186,36 @@ def test_a_worker_killed_mid_checkpoint_then_a_second_failure_resume_from_comple
     assert resumed_from[:2] == [0, killed_at - 4] and resumed_from[2] >= killed_at, resumed_from
     kept = [name for name in storage.list_dir(f"{run}/{checkpoint.CHECKPOINTS}") if name.startswith("step_")]
     assert kept == ["step_00000040"]
+
+
+@pytest.fixture(scope="module")
+def small_dataset(ray_session, corpus_dir, tmp_path_factory) -> str:
+    """The corpus prepared for the small recipe's 1024-token sequences."""
+    out = str(tmp_path_factory.mktemp("datasets") / "small")
+    prepare(f"{corpus_dir}/**/*.py", out, seq_len=load_config("small").model.seq_len, val_fraction=0.1)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_small_shape_learns_on_a_gpu_with_each_zero_stage(small_dataset, tmp_path, stage):
+    cfg = load_config(
+        "small",
+        [
+            f"data.path={small_dataset}",
+            f"run.storage_path={tmp_path}",
+            f"deepspeed.zero_stage={stage}",
+            "scaling.num_workers=1",
+            "optim.global_batch_size=8",
+            "optim.warmup_steps=5",
+            "optim.max_steps=30",
+            "run.eval_every=30",
+            "run.eval_samples=16",
+            "checkpoint.every_steps=0",
+            "checkpoint.every_minutes=0",
+        ],
+    )
+    summary = run_training(cfg)
+    assert summary.steps == 30
+    assert summary.final_val_loss < summary.initial_val_loss - 0.5
