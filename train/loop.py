@@ -42,12 +42,15 @@ SAMPLE_LOG = "samples.jsonl"
 
 
 def _to_batch(rows: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = torch.from_numpy(rows.astype(np.int64)).to(device)
+    tokens = torch.from_numpy(rows.astype(np.int64))
+    if device.type == "cuda":  # from pinned memory the copy runs beside the GPU's work instead of before it
+        tokens = tokens.pin_memory().to(device, non_blocking=True)
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _mean_over_ranks(total: float, count: float, device: torch.device) -> float:
-    pair = torch.tensor([total, count], dtype=torch.float64, device=device)
+def _mean_over_ranks(total: float | torch.Tensor, count: float, device: torch.device) -> float:
+    """The all-ranks mean of ``total / count``; a ``total`` on the device is read only here (one host sync)."""
+    pair = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=device) for x in (total, count)])
     dist.all_reduce(pair)
     return (pair[0] / pair[1]).item()
 
@@ -78,7 +81,9 @@ def _val_metrics(val_loss: float, tokens_per_byte: float) -> dict[str, float]:
     }
 
 
-def _log_samples(log: JsonlLog | None, step: int, my_rows: np.ndarray, my_loss: float, device: torch.device) -> None:
+def _log_samples(
+    log: JsonlLog | None, step: int, my_rows: np.ndarray, my_loss: torch.Tensor, device: torch.device
+) -> None:
     """Append the dataset rows every rank trained on in ``step``, and the step's loss, to the sample log.
 
     Rank 0 writes it directly (not through Ray's reports, the newest of which a restart can drop),
@@ -108,13 +113,13 @@ def train_loop(
 
 @dataclass
 class LossWindow:
-    """Loss and step seconds summed since the last loss report."""
+    """Loss and step seconds summed since the last loss report (the loss on the device, read at the report)."""
 
-    loss: float = 0.0
+    loss: float | torch.Tensor = 0.0
     steps: int = 0
     seconds: float = 0.0
 
-    def add(self, loss: float, seconds: float) -> None:
+    def add(self, loss: torch.Tensor, seconds: float) -> None:
         self.loss, self.steps, self.seconds = self.loss + loss, self.steps + 1, self.seconds + seconds
 
     def take(self, device: torch.device) -> tuple[float, float]:
@@ -235,13 +240,18 @@ class Trainer:
         provenance = {**self.args["provenance"], "step": self.step, "config": self.cfg.to_dict()}
         export_model(self.engine, self.cfg.model, self.tokenizer, export_uri(self.run_uri), provenance)
 
-    def _train_step(self) -> tuple[np.ndarray, float, float]:
-        """One optimizer step over this rank's share of the global batch: its rows, mean loss and seconds."""
+    def _train_step(self) -> tuple[np.ndarray, torch.Tensor, float]:
+        """One optimizer step over this rank's share of the global batch: its rows, mean loss and seconds.
+
+        The loss stays on the device (reading it would wait for the GPU every micro-step); the loss window
+        reads it when it reports. On a GPU the seconds are the host's, which the queue of launched work
+        keeps within a step of the device's; their sum over a report window is the window's time.
+        """
         optim, engine, step = self.cfg.optim, self.engine, self.step
         start = time.time()
         for group in engine.optimizer.param_groups:
             group["lr"] = lr_at(step, optim)
-        my_rows, step_loss = [], 0.0
+        my_rows, step_loss = [], torch.zeros((), device=engine.device)
         for micro_step in range(self.grad_accum):
             samples = micro_batch_samples(
                 step, micro_step, self.rank, self.world, optim.global_batch_size, optim.micro_batch_size
@@ -253,11 +263,11 @@ class Trainer:
             _, loss = engine(*_to_batch(self.train_rows[rows], engine.device))
             engine.backward(loss)
             engine.step()
-            step_loss += loss.item() / self.grad_accum
+            step_loss += loss.detach() / self.grad_accum
         self.step += 1
         return np.concatenate(my_rows), step_loss, time.time() - start
 
-    def _after_step(self, my_rows: np.ndarray, loss: float, seconds: float) -> None:
+    def _after_step(self, my_rows: np.ndarray, loss: torch.Tensor, seconds: float) -> None:
         """Record the step, then evaluate, checkpoint and report as decided for it."""
         cfg, step = self.cfg, self.step
         self.loss_window.add(loss, seconds)
