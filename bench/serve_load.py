@@ -107,10 +107,18 @@ async def load(url: str, clients: int, seconds: float, prompts: list[str], max_t
     }
 
 
-def engine_throughput(export: str, prompts: list[str], in_flight: int, seconds: float, max_tokens: int) -> float:
+def engine_throughput(
+    export: str,
+    prompts: list[str],
+    in_flight: int,
+    seconds: float,
+    max_tokens: int,
+    precision: str = "int8",
+    device: str = "cpu",
+) -> float:
     """Requests/s of the continuous-batching engine alone, ``in_flight`` requests at all times."""
     exported = load_exported(export)
-    batcher = ContinuousBatcher(Engine(Decoder(exported.model, in_flight, "int8"), exported.tokenizer))
+    batcher = ContinuousBatcher(Engine(Decoder(exported.model, in_flight, precision, device), exported.tokenizer))
     params = GenerationParams(max_tokens=max_tokens, temperature=0.0)
     done = 0
 
@@ -132,14 +140,14 @@ def engine_throughput(export: str, prompts: list[str], in_flight: int, seconds: 
     return asyncio.run(run())
 
 
-def perplexity(export: str, precision: str, rows: np.ndarray) -> float:
+def perplexity(export: str, precision: str, rows: np.ndarray, device: str = "cpu") -> float:
     """exp(mean next-token cross-entropy) of ``rows`` through the serving decoder at ``precision``."""
-    decoder = Decoder(load_exported(export).model, 1, precision)
+    decoder = Decoder(load_exported(export).model, 1, precision, device)
     losses = []
     for row in rows:
         tokens = [int(t) for t in row]
         logits = decoder.prefill(0, tokens[:-1])
-        losses.append(torch.nn.functional.cross_entropy(logits, torch.tensor(tokens[1:])).item())
+        losses.append(torch.nn.functional.cross_entropy(logits, torch.tensor(tokens[1:], device=device)).item())
     return math.exp(sum(losses) / len(losses))
 
 

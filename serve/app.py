@@ -201,14 +201,15 @@ class CompletionServer:
         location = resolve_export(cfg.checkpoint)
         exported = load_exported(location)
         self.model_name = cfg.model_name or exported.name
-        self.precision = "int8" if cfg.precision == "auto" else cfg.precision
+        self.precision = cfg.resolved_precision(device)
         self.context = exported.model.cfg.seq_len
         self.tokenizer = exported.tokenizer
         template = chat_template(location)
         environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         self.chat_template = environment.from_string(template) if template else None
         max_batch = 1 if cfg.batching == "none" else cfg.max_batch_size
-        self.engine = Engine(Decoder(exported.model, max_batch, self.precision, device), self.tokenizer)
+        decoder = Decoder(exported.model, max_batch, self.precision, device, cfg.cuda_graphs)
+        self.engine = Engine(decoder, self.tokenizer)
         self.batching = cfg.batching
         self.batcher = ContinuousBatcher(self.engine, on_step=self._record_step)
         self.serve_batch_lock = asyncio.Lock()

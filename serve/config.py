@@ -15,9 +15,11 @@ class ServeConfig(Section):
     model_name: str = ""
     """The name clients pass as "model"; "" = the training run's name."""
     precision: Literal["auto", Precision] = "auto"
-    """Weights and compute: fp32, bf16, int8, or fp8 (GPU only); auto = int8."""
+    """Weights and compute: fp32, bf16, int8, or fp8 (GPU only); auto = bf16 on a GPU, int8 on a CPU."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where replicas run the model; auto = a GPU if the replica has one."""
+    cuda_graphs: bool = True
+    """On a GPU, replay each decode shape as a captured CUDA graph; false runs the decode step eagerly."""
     batching: Literal["continuous", "serve_batch", "none"] = "continuous"
     """Continuous batching; serve_batch (Ray Serve's @serve.batch) and none are for comparison."""
     max_batch_size: int = Field(32, ge=1)
@@ -61,6 +63,16 @@ class ServeConfig(Section):
         if self.max_replicas < self.min_replicas:
             raise ValueError(f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})")
         return self
+
+    def resolved_precision(self, device: str) -> Precision:
+        """``precision`` with auto resolved for ``device``.
+
+        On a GPU bf16: torchao's int8 and fp8 weight-only modes were slower than bf16 on an H100 (see
+        BENCHMARKS.md, P7) and save memory only. On a CPU int8: as accurate as fp32 here (P6c).
+        """
+        if self.precision != "auto":
+            return self.precision
+        return "bf16" if device == "cuda" else "int8"
 
     def resolved_api_key(self) -> str:
         """The key the replica requires ("" for none); a key file that is missing or empty is an error."""

@@ -7,9 +7,16 @@ The cache has one slot per sequence in flight. A new sequence's prompt is run al
 slot (``prefill``); then all live sequences advance one token per ``decode`` call, whatever their
 lengths: each attends over its own slot, masked to its own length. Live sequences occupy slots
 0..B-1 (``move`` closes the gap a finished one leaves), so a decode step reads the cache
-without copying it, and every sequence attends over the same full-context shape whether it is
-alone or in a batch of 64.
+without copying it.
+
+A decode step reads the cache only up to the longest live sequence, rounded up to a power of two
+(``span_bucket``): a step's cost follows the lengths in flight rather than the context length,
+and the step has few distinct shapes. On a GPU each shape (batch rounded up the same way, times
+span) is captured once as a CUDA graph and replayed: a small model's decode step is otherwise
+bound by the time the host takes to launch its hundreds of kernels.
 """
+
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -18,9 +25,31 @@ from torch import nn
 from serve.precision import apply_precision
 from train.model import GPT, KVCache
 
+logger = logging.getLogger(__name__)
+
+# The shortest span a decode step attends over: shorter ones would only add shapes.
+MIN_SPAN = 16
+
+
+def span_bucket(length: int, context: int) -> int:
+    """The cache span a decode step reads for sequences up to ``length`` tokens: a power of two, at most ``context``."""
+    return min(context, max(MIN_SPAN, 1 << (length - 1).bit_length()))
+
+
+def batch_bucket(batch: int, max_batch: int) -> int:
+    """The batch size a CUDA graph is captured for: ``batch`` rounded up to a power of two, at most ``max_batch``."""
+    return min(max_batch, 1 << (batch - 1).bit_length())
+
 
 class Decoder:
-    def __init__(self, model: GPT, max_batch: int, precision: str = "fp32", device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        model: GPT,
+        max_batch: int,
+        precision: str = "fp32",
+        device: str | torch.device = "cpu",
+        cuda_graphs: bool = True,
+    ):
         device = torch.device(device)
         cfg = model.cfg
         # Serving unties the output projection so that quantization treats it as any other Linear.
@@ -39,6 +68,7 @@ class Decoder:
         shape = (cfg.n_layer, max_batch, cfg.n_head, cfg.seq_len, head_dim)
         self.keys = torch.zeros(shape, dtype=self.dtype, device=device)
         self.values = torch.zeros(shape, dtype=self.dtype, device=device)
+        self.graphs = _DecodeGraphs(self) if cuda_graphs and device.type == "cuda" else None
 
     @torch.inference_mode()
     def prefill(self, slot: int, prompt: list[int]) -> torch.Tensor:
@@ -53,9 +83,16 @@ class Decoder:
 
         Returns the logits (B, vocab) for each sequence's next token.
         """
-        where = torch.tensor(positions, device=self.device)
-        tokens_t = torch.tensor(tokens, device=self.device)[:, None]
-        return self._logits(tokens_t, where[:, None], _DecodeCache(self, where))[:, 0]
+        span = span_bucket(max(positions) + 1, self.cfg.seq_len)
+        if self.graphs is not None:
+            return self.graphs.decode(tokens, positions, span)
+        return self.decode_span(
+            torch.tensor(tokens, device=self.device), torch.tensor(positions, device=self.device), span
+        )
+
+    def decode_span(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
+        """``decode`` of device tensors, attending over the first ``span`` cache positions."""
+        return self._logits(tokens[:, None], positions[:, None], _DecodeCache(self, positions, span))[:, 0]
 
     def _logits(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         return self.head(self.model.hidden_states(tokens, positions, cache)).float()
@@ -81,15 +118,64 @@ class _PrefillCache:
 class _DecodeCache:
     """One new token per slot 0..B-1, stored at its position; each attends over its own slot up to there."""
 
-    def __init__(self, decoder: Decoder, where: torch.Tensor):
-        self.decoder, self.where = decoder, where
+    def __init__(self, decoder: Decoder, where: torch.Tensor, span: int):
+        self.decoder, self.where, self.span = decoder, where, span
         self.slots = torch.arange(len(where), device=where.device)
-        visible = torch.arange(decoder.cfg.seq_len, device=where.device)[None, :] <= where[:, None]
-        self.mask = visible[:, None, None, :]  # (batch, 1 head, 1 query, seq_len)
+        visible = torch.arange(span, device=where.device)[None, :] <= where[:, None]
+        self.mask = visible[:, None, None, :]  # (batch, 1 head, 1 query, span)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         keys, values = self.decoder.keys[layer], self.decoder.values[layer]
         keys[self.slots, :, self.where] = k[:, :, 0]
         values[self.slots, :, self.where] = v[:, :, 0]
         batch = len(self.slots)
-        return F.scaled_dot_product_attention(q, keys[:batch], values[:batch], attn_mask=self.mask)
+        return F.scaled_dot_product_attention(
+            q, keys[:batch, :, : self.span], values[:batch, :, : self.span], attn_mask=self.mask
+        )
+
+
+class _DecodeGraphs:
+    """The decode step on a GPU as CUDA graphs, one per (batch bucket, span bucket), captured on first use.
+
+    A graph reads its tokens and positions from fixed input buffers and writes fixed output buffers.
+    Rows beyond the live batch are padding: they write position 0 of free slots, which a prefill
+    overwrites before any sequence reads it.
+    """
+
+    def __init__(self, decoder: Decoder):
+        self.decoder = decoder
+        self.tokens = torch.zeros(decoder.max_batch, dtype=torch.long, device=decoder.device)
+        self.positions = torch.zeros(decoder.max_batch, dtype=torch.long, device=decoder.device)
+        self.captured: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()  # the graphs replay one at a time, so they share memory
+
+    def decode(self, tokens: list[int], positions: list[int], span: int) -> torch.Tensor:
+        batch = len(tokens)
+        padded = batch_bucket(batch, self.decoder.max_batch)
+        padding = [0] * (padded - batch)
+        self.tokens[:padded].copy_(torch.tensor(tokens + padding))
+        self.positions[:padded].copy_(torch.tensor(positions + padding))
+        key = (padded, span)
+        if key not in self.captured:
+            self.captured[key] = self._capture(padded, span)
+        graph, logits = self.captured[key]
+        graph.replay()
+        return logits[:batch].clone()  # the next replay overwrites the graph's output
+
+    def _capture(self, batch: int, span: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        def step() -> torch.Tensor:
+            return self.decoder.decode_span(self.tokens[:batch], self.positions[:batch], span)
+
+        # One eager run on a side stream first, as PyTorch's CUDA graph recipe does: lazy initialization
+        # (cuBLAS workspaces, quantized kernels' setup) must not happen inside the capture. It computes
+        # the same keys and values that the replay then writes again.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = step()
+        logger.info("captured the decode step for batch %d, span %d as a CUDA graph", batch, span)
+        return graph, logits

@@ -16,6 +16,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -25,6 +26,7 @@ from serve.textstream import TextStream
 from train.tokenizer import BPETokenizer
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # What a client is told when its generation fails; the cause goes to the replica's log only.
 GENERATION_FAILED = "generation failed on the server"
@@ -81,18 +83,39 @@ class Engine:
     def free_slots(self) -> int:
         return self.decoder.max_batch - len(self.live)
 
-    def _accept(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """Sample the next token of ``seq`` from ``logits`` and record its text and finish."""
+    def _accept(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Sample each sequence's next token from its row of ``logits``; record its text and finish.
+
+        The tokens are chosen on the logits' device and reach the host in one copy: one sync per step,
+        not one per sequence (on a GPU each sync waits for the whole step).
+        """
+        greedy = torch.argmax(logits, dim=-1)  # every plain greedy row in one kernel
+        chosen = [
+            (seq, row, self._guarded(seq, lambda seq=seq, row=row, best=best: self._choose(seq, row, best)))
+            for seq, row, best in zip(seqs, logits, greedy, strict=True)
+        ]
+        chosen = [(seq, row, token) for seq, row, token in chosen if token is not None]
+        tokens = torch.stack([token for *_, token in chosen]).tolist() if chosen else []
+        for (seq, row, _), token in zip(chosen, tokens, strict=True):
+            self._guarded(seq, lambda seq=seq, row=row, token=token: self._record(seq, row, token))
+
+    def _choose(self, seq: Sequence, logits: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+        """The next token of ``seq`` on the logits' device; ``greedy`` is the argmax of ``logits``."""
         params = seq.params
         # Penalty counts and a generator only for the requests that use them: this runs per token.
         if (params.presence_penalty or params.frequency_penalty) and seq.counts is None:
             seq.counts = torch.zeros_like(logits)
+        if seq.counts is None and params.temperature < GREEDY_BELOW:
+            return greedy
         if params.temperature >= GREEDY_BELOW and seq.generator is None:
             seq.generator = make_generator(params.seed, logits.device)
-        penalized = logits
         if seq.counts is not None:
-            penalized = apply_penalties(logits, seq.counts, params.presence_penalty, params.frequency_penalty)
-        token = next_token(penalized, params.temperature, params.top_p, seq.generator)
+            logits = apply_penalties(logits, seq.counts, params.presence_penalty, params.frequency_penalty)
+        return next_token(logits, params.temperature, params.top_p, seq.generator)
+
+    def _record(self, seq: Sequence, logits: torch.Tensor, token: int) -> None:
+        """``token`` follows in ``seq``: its count, logprobs, text, and whether the sequence is done."""
+        params = seq.params
         if seq.counts is not None:
             seq.counts[token] += 1
         logprobs = [token_logprob(logits, token, params.logprobs)] if params.logprobs is not None else []
@@ -107,21 +130,22 @@ class Engine:
             text += seq.text.finish()
         seq.chunks.append(Chunk(text, seq.finish_reason, 1, logprobs))
 
-    def _guarded(self, seq: Sequence, work: Callable[[], None]) -> None:
-        """Run ``work`` for ``seq``; if it fails, ``seq`` alone finishes with an error."""
+    def _guarded(self, seq: Sequence, work: Callable[[], T]) -> T | None:
+        """``work()`` for ``seq``; if it fails, ``seq`` alone finishes with an error (and this returns None)."""
         try:
-            work()
+            return work()
         except Exception:
             logger.exception("sequence failed; the rest of the batch goes on")
             seq.finish_reason = "error"
             seq.chunks = [Chunk(GENERATION_FAILED, "error", 0)]
+            return None
 
     def _admit(self, seq: Sequence, slot: int) -> None:
         logits = self.decoder.prefill(slot, seq.prompt)
         if seq.params.prompt_logprobs:
             top = seq.params.logprobs or 0
             seq.prompt_logprobs = [token_logprob(row, t, top) for row, t in zip(logits, seq.prompt[1:], strict=False)]
-        self._accept(seq, logits[-1])
+        self._accept([seq], logits[-1:])
 
     def step(self, admitted: list[Sequence]) -> list[Sequence]:
         """Admit ``admitted`` (at most ``free_slots``), advance every live sequence one token.
@@ -133,8 +157,7 @@ class Engine:
         self._compact(stepping)
         if stepping:
             logits = self.decoder.decode([s.last_token for s in stepping], [s.position for s in stepping])
-            for seq, row in zip(stepping, logits, strict=True):
-                self._guarded(seq, lambda seq=seq, row=row: self._accept(seq, row))
+            self._accept(stepping, logits)
         for seq in admitted:
             slot = len(self.live)
             self.live.append(seq)

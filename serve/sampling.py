@@ -22,10 +22,15 @@ def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, presence: float,
     return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
 
 
-def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
-    """The next token from ``logits`` (vocab,); a temperature below ``GREEDY_BELOW`` means greedy."""
+def next_token(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
+) -> torch.Tensor:
+    """The next token from ``logits`` (vocab,); a temperature below ``GREEDY_BELOW`` means greedy.
+
+    The token stays on the logits' device (a 0-d tensor), so that a batch's tokens reach the host in one copy.
+    """
     if temperature < GREEDY_BELOW:
-        return int(torch.argmax(logits))
+        return torch.argmax(logits)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
@@ -34,7 +39,7 @@ def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator
         outside[0] = False
         sorted_probs[outside] = 0.0
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return torch.multinomial(probs, 1, generator=generator)[0]
 
 
 @dataclass

@@ -408,3 +408,9 @@ def test_the_api_key_comes_from_a_file_or_the_environment_never_the_config(tmp_p
         serve_config_from_dict({**base, "api_key_file": str(key_file)}).resolved_api_key()
     with pytest.raises(ConfigError, match="unknown key api_key"):
         serve_config_from_dict({**base, "api_key": "s3cret"})
+
+
+def test_auto_precision_is_bf16_on_a_gpu_and_int8_on_a_cpu():
+    auto = serve_config_from_dict({"checkpoint": "export"})
+    assert (auto.resolved_precision("cuda"), auto.resolved_precision("cpu")) == ("bf16", "int8")
+    assert serve_config_from_dict({"checkpoint": "export", "precision": "fp32"}).resolved_precision("cuda") == "fp32"

@@ -7,10 +7,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from serve.decoder import Decoder
+from serve.decoder import Decoder, span_bucket
 from serve.engine import GENERATION_FAILED, ContinuousBatcher, Engine, GenerationParams, Sequence
 from serve.precision import EXACT_FLOAT32_K, Int8Linear, apply_precision, int8_matmul
-from serve.sampling import apply_penalties, make_generator, next_token, token_logprob
+from serve.sampling import apply_penalties, make_generator, token_logprob
+from serve.sampling import next_token as next_token_tensor
 from serve.textstream import TextStream
 from tests.conftest import MEMORIZED_TEXT
 from train.export import load_exported
@@ -75,9 +76,18 @@ def test_kv_cache_decoding_matches_the_full_forward(precision):
     for slot, prompt in enumerate(prompts):
         prefilled = decoder.prefill(slot, prompt[:-1])
         assert torch.allclose(prefilled, reference(torch.tensor([prompt[:-1]]))[0], atol=tolerance)
-    logits = decoder.decode([p[-1] for p in prompts], [len(p) - 1 for p in prompts])
+    tokens, positions = [p[-1] for p in prompts], [len(p) - 1 for p in prompts]
+    logits = decoder.decode(tokens, positions)
     for row, prompt in zip(logits, prompts, strict=True):
         assert torch.allclose(row, reference(torch.tensor([prompt]))[0, -1], atol=tolerance)
+    # The step read the cache up to 16 positions; reading all 32 (masked) gives the same bits.
+    assert span_bucket(max(positions) + 1, model.cfg.seq_len) == 16
+    whole = decoder.decode_span(torch.tensor(tokens), torch.tensor(positions), model.cfg.seq_len)
+    assert torch.equal(whole, logits)
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
+    return int(next_token_tensor(logits, temperature, top_p, generator))
 
 
 def test_sampling_greedy_top_p_and_seed():

@@ -1,0 +1,124 @@
+"""P7: serving engine tokens/s at batch 1 / 32 / 64 on a GPU, per precision; through HTTP at 64 clients ÷ the engine.
+
+    python bench/p7_serving.py [--checkpoint EXPORT] [--precisions bf16,int8,fp8] [--no-http]
+
+Needs a GPU (``--device cpu`` runs the same measurements on a CPU, slowly: ``--set`` a smaller shape).
+Without --checkpoint it exports an untrained GPT of the ``small`` recipe's shape (128.6M params,
+byte vocabulary, context 1024): tokens/s do not depend on the weights. With a trained export it also
+gives each precision's validation perplexity through the serving decoder, relative to bf16.
+
+Engine: ``run_batch`` of B requests (32-byte prompts, ``--max-tokens`` new tokens each, greedy), after
+one untimed run of the same batch that captures its CUDA graphs; tokens/s = tokens generated / wall.
+HTTP: one Serve replica of the same export and precision, 64 closed-loop clients for ``--seconds``,
+÷ the continuous-batching engine in-process with 64 requests in flight for as long (serve_load.py's
+load generator and engine loop). Prints a JSON report.
+"""
+
+import argparse
+import asyncio
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+import torch
+from serve_load import engine_throughput, load, perplexity
+
+from serve.app import build_app
+from serve.decoder import Decoder
+from serve.engine import Engine, GenerationParams, Sequence
+from train.config import config_from_dict, load_config
+from train.data import dataset_path, load_split
+from train.export import load_exported, save_export
+from train.model import GPT
+from train.tokenizer import ByteTokenizer
+
+BATCHES = (1, 32, 64)
+PROMPT_BYTES = 32
+
+
+def untrained_export(overrides: list[str], directory: str) -> str:
+    cfg = load_config("small", overrides)
+    save_export(GPT(cfg.model).state_dict(), cfg.model, ByteTokenizer(), directory, {})
+    return directory
+
+
+def prompts(count: int) -> list[str]:
+    """Prompts cut from this file's text: any text will do for throughput."""
+    text = Path(__file__).read_text()
+    starts = (i * PROMPT_BYTES % (len(text) - PROMPT_BYTES) for i in range(count))
+    return [text[start : start + PROMPT_BYTES] for start in starts]
+
+
+def engine_tokens_per_s(export: str, precision: str, device: str, batch: int, max_tokens: int) -> float:
+    exported = load_exported(export)
+    engine = Engine(Decoder(exported.model, batch, precision, device), exported.tokenizer)
+    params = GenerationParams(max_tokens=max_tokens, temperature=0.0)
+    encoded = [[int(t) for t in exported.tokenizer.encode(p)] for p in prompts(batch)]
+
+    def run() -> int:
+        sequences = [Sequence(tokens, params) for tokens in encoded]
+        engine.run_batch(sequences)
+        return sum(seq.generated for seq in sequences)
+
+    run()  # captures this batch's decode graphs
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    generated = run()
+    return generated / (time.perf_counter() - start)
+
+
+def http_over_engine(export: str, precision: str, device: str, seconds: float, max_tokens: int) -> dict:
+    texts = prompts(256)
+    engine = engine_throughput(export, texts, 64, seconds, max_tokens, precision, device)
+    ray.init(address="local", _temp_dir=tempfile.mkdtemp(prefix="/tmp/rwb-"))
+    from ray import serve
+
+    serve.start(http_options={"host": "127.0.0.1", "port": 8765})
+    config = {"checkpoint": export, "precision": precision, "device": device, "max_batch_size": 64}
+    serve.run(build_app({**config, "max_ongoing_requests": 64, "max_queued_requests": 1024}), name="p7")
+    asyncio.run(load("http://127.0.0.1:8765", 64, 5.0, texts, max_tokens))  # warm up: captures the graphs
+    http = asyncio.run(load("http://127.0.0.1:8765", 64, seconds, texts, max_tokens))
+    serve.shutdown()
+    ray.shutdown()
+    return {"engine_requests_per_s_64": engine, "http": http, "P7_http_over_engine_64": http["requests_per_s"] / engine}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--checkpoint", help="an export dir; default: an untrained model of the small shape")
+    parser.add_argument("--set", action="append", default=[], help="small-recipe overrides for the untrained model")
+    parser.add_argument("--precisions", default="bf16,int8,fp8")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--seconds", type=float, default=20.0, help="duration of each HTTP / engine load")
+    parser.add_argument("--no-http", action="store_true", help="skip the Serve measurement")
+    args = parser.parse_args()
+    precisions = args.precisions.split(",")
+
+    export = args.checkpoint or untrained_export(args.set, tempfile.mkdtemp(prefix="rw-p7-"))
+    exported = load_exported(export)
+    report: dict = {"model": vars(exported.model.cfg), "params": exported.model.num_params(), "device": args.device}
+    if args.device == "cuda":
+        report["gpu"] = torch.cuda.get_device_name()
+    report["tokens_per_s"] = {
+        precision: {
+            batch: engine_tokens_per_s(export, precision, args.device, batch, args.max_tokens) for batch in BATCHES
+        }
+        for precision in precisions
+    }
+    print(json.dumps(report["tokens_per_s"]), flush=True)
+    if exported.provenance:
+        val = load_split(dataset_path(config_from_dict(exported.provenance["config"])), "val")[:32, :256]
+        ppl = {precision: perplexity(export, precision, val, args.device) for precision in precisions}
+        report["perplexity"] = ppl
+        report["perplexity_rise_over_first"] = {p: ppl[p] / ppl[precisions[0]] - 1 for p in precisions}
+    if not args.no_http:
+        report.update(http_over_engine(export, precisions[0], args.device, args.seconds, args.max_tokens))
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
