@@ -1,17 +1,32 @@
-"""The memory model behind ``deepspeed.zero_stage: auto``: its choice, and its estimate against real engines."""
+"""The memory model behind ``deepspeed.zero_stage: auto`` and ``optim.micro_batch_size: auto``: its choices,
+and its estimate against real engines."""
 
 import pytest
 
+from train.batching import grad_accum_steps
 from train.config import load_config
-from train.memory import HEADROOM, activation_bytes, choose_zero_stage, measure_on_workers, model_state_bytes
+from train.memory import (
+    HEADROOM,
+    MAX_MICRO_BATCH_TOKENS,
+    activation_bytes,
+    measure_on_workers,
+    micro_batch_candidates,
+    model_state_bytes,
+    plan_memory,
+)
 from train.model import GPT
 from train.schema import ConfigError
 
 GIB = 2**30
 
 
-def _needs(cfg, stage: int) -> int:
-    return model_state_bytes(cfg, stage, cfg.scaling.min_workers) + activation_bytes(cfg)
+def _needs(cfg, stage: int, micro_batch: int = 4) -> int:
+    return model_state_bytes(cfg, stage, cfg.scaling.min_workers) + activation_bytes(cfg, micro_batch)
+
+
+def _medium(*overrides: str):
+    """The medium recipe (382M parameters in bf16, 4 workers) at micro-batch 4 unless overridden."""
+    return load_config("medium", ["optim.micro_batch_size=4", *overrides])
 
 
 @pytest.mark.unit
@@ -29,30 +44,51 @@ def test_model_states_are_16_bytes_per_parameter_unsharded_and_shard_with_the_st
 
 @pytest.mark.unit
 def test_auto_takes_the_lowest_stage_that_fits_and_says_why():
-    cfg = load_config("medium")  # 382M parameters in bf16, 4 workers
-    assert choose_zero_stage(cfg, 80 * GIB).stage == 0
+    cfg = _medium()
+    assert plan_memory(cfg, 80 * GIB).stage == 0
     # Just too small for stage 0: the next stage that fits, and no lower one would have.
     capacity = int(_needs(cfg, 0) / HEADROOM) - 1
-    choice = choose_zero_stage(cfg, capacity)
-    assert choice.stage >= 1 and _needs(cfg, choice.stage) <= HEADROOM * capacity
-    assert all(_needs(cfg, lower) > HEADROOM * capacity for lower in range(choice.stage))
-    assert f"stage {choice.stage}" in choice.describe() and "4 workers" in choice.describe()
+    plan = plan_memory(cfg, capacity)
+    assert plan.stage >= 1 and _needs(cfg, plan.stage) <= HEADROOM * capacity
+    assert all(_needs(cfg, lower) > HEADROOM * capacity for lower in range(plan.stage))
+    assert plan.micro_batch_size == 4  # as set
+    assert f"ZeRO stage {plan.stage}, micro-batch 4" in plan.describe() and "4 workers" in plan.describe()
     # Fitting only at stage 3.
-    assert choose_zero_stage(cfg, int(_needs(cfg, 3) / HEADROOM) + 1).stage == 3
+    assert plan_memory(cfg, int(_needs(cfg, 3) / HEADROOM) + 1).stage == 3
 
 
 @pytest.mark.unit
 def test_an_elastic_run_chooses_at_its_smallest_size():
-    fixed, elastic = (load_config("medium", [f"scaling.num_workers={workers}"]) for workers in ("2", "[2,4]"))
+    fixed, elastic = (_medium(f"scaling.num_workers={workers}") for workers in ("2", "[2,4]"))
     capacity = int(_needs(fixed, 1) / HEADROOM) + 1  # stage 1 fits at 2 workers; at 4 workers stage 0 nearly does
-    assert choose_zero_stage(elastic, capacity) == choose_zero_stage(fixed, capacity)
-    assert choose_zero_stage(elastic, capacity).world_size == 2
+    assert plan_memory(elastic, capacity) == plan_memory(fixed, capacity)
+    assert plan_memory(elastic, capacity).world_size == 2
+
+
+@pytest.mark.unit
+def test_auto_micro_batch_splits_the_batch_at_every_size_and_is_the_largest_that_fits():
+    cfg = load_config("small", ["scaling.num_workers=[2,4]"])  # global batch 480, micro_batch_size auto
+    candidates = micro_batch_candidates(cfg)
+    assert candidates == [1, 2, 4, 5, 8, 10, 20]  # 24 and 30 would not split 480 over 3 workers, 40 is > 32768 tokens
+    for micro in candidates:
+        assert all(grad_accum_steps(480, micro, world) for world in (2, 3, 4))
+    assert max(candidates) * cfg.model.seq_len <= MAX_MICRO_BATCH_TOKENS
+    plan = plan_memory(cfg, 80 * GIB)
+    assert (plan.stage, plan.micro_batch_size) == (0, 20)
+    # Less memory: stage 0 still holds a smaller micro-batch, the largest that fits.
+    capacity = int(_needs(cfg, 0, 8) / HEADROOM) + 1
+    assert (plan_memory(cfg, capacity).stage, plan_memory(cfg, capacity).micro_batch_size) == (0, 8)
+    # A set stage is kept; the micro-batch fills what it leaves.
+    staged = load_config("small", ["scaling.num_workers=[2,4]", "deepspeed.zero_stage=3"])
+    assert plan_memory(staged, capacity).stage == 3 and plan_memory(staged, capacity).micro_batch_size == 10
+    # Validation runs a micro-batch per worker at a time: run.eval_samples bounds it too.
+    assert max(micro_batch_candidates(load_config("small", ["scaling.num_workers=4", "run.eval_samples=40"]))) == 10
 
 
 @pytest.mark.unit
 def test_a_model_that_fits_nowhere_is_a_config_error_naming_what_to_change():
-    with pytest.raises(ConfigError, match="deepspeed.zero_stage auto: even stage 3 needs .* optim.micro_batch_size"):
-        choose_zero_stage(load_config("medium"), 2 * GIB)
+    with pytest.raises(ConfigError, match="even stage 3 at micro-batch 4 needs .* lower optim.micro_batch_size"):
+        plan_memory(_medium(), 2 * GIB)
 
 
 @pytest.mark.cluster

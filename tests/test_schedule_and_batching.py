@@ -2,7 +2,7 @@ import pytest
 
 from train.batching import check_batch_divides, failing_world_sizes, grad_accum_steps
 from train.config import OptimConfig, load_config
-from train.ds_config import build_ds_config
+from train.ds_config import build_ds_config, compiles
 from train.schedule import lr_at
 
 pytestmark = pytest.mark.unit
@@ -36,3 +36,19 @@ def test_ds_config_from_recipe_and_raw_json_override(tmp_path):
     assert ds["zero_optimization"]["stage3_param_persistence_threshold"] == 10 * cfg.model.d_model
     assert ds["gradient_clipping"] == 0.5
     assert build_ds_config(cfg, world_size=1)["gradient_accumulation_steps"] == 2
+
+
+def test_run_compile_auto_is_on_for_gpus_at_zero_0_and_1_only():
+    def compiled(*overrides: str) -> bool:
+        return compiles(load_config("tiny", list(overrides)))
+
+    assert [compiled("scaling.use_gpu=true", f"deepspeed.zero_stage={s}") for s in range(4)] == [
+        True,
+        True,
+        False,
+        False,
+    ]
+    assert not compiled("scaling.use_gpu=false", "deepspeed.zero_stage=0")
+    assert compiled("run.compile=true", "deepspeed.zero_stage=3") and not compiled(
+        "run.compile=false", "scaling.use_gpu=true"
+    )

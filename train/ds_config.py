@@ -57,7 +57,16 @@ def build_engine(cfg: TrainConfig, model: torch.nn.Module, world_size: int, load
         config=ds_config,
         dist_init_required=False,
     )
+    if compiles(cfg):
+        engine.compile()
     return engine
+
+
+def compiles(cfg: TrainConfig) -> bool:
+    """Whether the engine is compiled: ``run.compile``, with auto resolved for the run's devices and stage."""
+    if cfg.run.compile != "auto":
+        return cfg.run.compile
+    return cfg.scaling.use_gpu and cfg.deepspeed.zero_stage in (0, 1)
 
 
 def _client_optimizer(cfg: TrainConfig, ds_config: dict[str, Any], model: torch.nn.Module) -> torch.optim.AdamW | None:

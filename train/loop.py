@@ -24,12 +24,12 @@ from train.checkpoint_writer import BackgroundWriter
 from train.config import TrainConfig, config_from_dict
 from train.data import load_split
 from train.decisions import Notice, Rank0View, StepPolicy, share_rank0_view
-from train.ds_config import build_engine
+from train.ds_config import build_engine, compiles
 from train.early_checkpoint import latest_checkpoint_request, record_checkpoint
 from train.export import export_model, export_uri
 from train.hf_gpt2 import load_weights
 from train.loader import SampleOrder, micro_batch_samples
-from train.memory import choose_zero_stage, worker_capacity_bytes
+from train.memory import plan_memory, worker_capacity_bytes
 from train.metrics import format_progress, memory_gb, peak_tflops
 from train.model import GPT, flops_per_token
 from train.run_files import JsonlLog
@@ -183,14 +183,15 @@ class Trainer:
             checkpoint.convert_to_universal(latest)
         self.startup["convert_s"] = time.time() - mark
 
-        if cfg.deepspeed.zero_stage == "auto":
-            self.cfg = cfg = self._with_fixed_zero_stage(latest)
+        self.cfg = cfg = self._with_memory_plan(latest)
         mark = time.time()
         torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
         model = GPT(cfg.model)
         if cfg.model.init_from and latest is None:
             load_weights(model, cfg.model.init_from)
         self.engine = build_engine(cfg, model, world, load_universal=universal)
+        if self.rank == 0 and compiles(cfg):
+            print(f"compiling the model with torch.compile (run.compile: {cfg.run.compile})", flush=True)
         if cfg.checkpoint.async_write:
             self.engine.checkpoint_engine = BackgroundWriter()
         self.grad_accum = self.engine.gradient_accumulation_steps()
@@ -213,23 +214,27 @@ class Trainer:
             self.timeline.attempt_started.remote(world, node_ids, self.step, self.startup)
         return latest
 
-    def _with_fixed_zero_stage(self, latest: dict[str, Any] | None) -> TrainConfig:
-        """The config with ``deepspeed.zero_stage: auto`` made a stage: the checkpoint's when the run resumes
-        (a run keeps its stage), else the one ``choose_zero_stage`` picks for the smallest worker."""
-        if latest is not None:
-            stage = latest["config"]["deepspeed"]["zero_stage"]
-        else:
-            device = torch.device(get_accelerator().current_device_name())
-            workers_on_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # set by Ray Train's torch backend
-            mine = worker_capacity_bytes(device, workers_on_node)
-            capacity = torch.tensor([mine], dtype=torch.float64, device=device)
-            # The smallest worker's memory, the same number on every rank: every rank makes the same choice.
-            dist.all_reduce(capacity, op=dist.ReduceOp.MIN)
-            choice = choose_zero_stage(self.cfg, int(capacity.item()))
-            if self.rank == 0:
-                print(choice.describe(), flush=True)
-            stage = choice.stage
-        return replace(self.cfg, deepspeed=replace(self.cfg.deepspeed, zero_stage=stage))
+    def _with_memory_plan(self, latest: dict[str, Any] | None) -> TrainConfig:
+        """The config with its autos made values: ``deepspeed.zero_stage`` the checkpoint's when the run resumes
+        (a run keeps its stage), and what ``plan_memory`` picks for the smallest worker's memory."""
+        cfg = self.cfg
+        if latest is not None and cfg.deepspeed.zero_stage == "auto":
+            cfg = replace(cfg, deepspeed=replace(cfg.deepspeed, zero_stage=latest["config"]["deepspeed"]["zero_stage"]))
+        if cfg.deepspeed.zero_stage != "auto" and cfg.optim.micro_batch_size != "auto":
+            return cfg
+        device = torch.device(get_accelerator().current_device_name())
+        workers_on_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # set by Ray Train's torch backend
+        capacity = torch.tensor([worker_capacity_bytes(device, workers_on_node)], dtype=torch.float64, device=device)
+        # The smallest worker's memory, the same number on every rank: every rank makes the same choice.
+        dist.all_reduce(capacity, op=dist.ReduceOp.MIN)
+        plan = plan_memory(cfg, int(capacity.item()))
+        if self.rank == 0:
+            print(plan.describe(), flush=True)
+        return replace(
+            cfg,
+            deepspeed=replace(cfg.deepspeed, zero_stage=plan.stage),
+            optim=replace(cfg.optim, micro_batch_size=plan.micro_batch_size),
+        )
 
     def run(self) -> None:
         while self.step < self.cfg.optim.max_steps:

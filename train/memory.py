@@ -1,4 +1,5 @@
-"""Bytes a training worker needs, and the ZeRO stage that fits them (``deepspeed.zero_stage: auto``).
+"""Bytes a training worker needs, and the ZeRO stage and micro-batch that fit them (``deepspeed.zero_stage:
+auto``, ``optim.micro_batch_size: auto``).
 
 Model states per parameter, with torch's AdamW (two fp32 moments): fp32 training holds a 4-byte
 weight, a 4-byte gradient and 8 bytes of moments; bf16/fp16 hold a 2-byte weight and gradient, a
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from ray.train import ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
+from train.batching import failing_world_sizes
 from train.config import TrainConfig, config_from_dict
 from train.ds_config import build_engine, persistence_threshold
 from train.model import GPT
@@ -35,11 +37,17 @@ HEADROOM = 0.85
 fragmentation and the communication buffers."""
 
 
+MAX_MICRO_BATCH_TOKENS = 32 * 1024
+"""An auto micro-batch holds at most this many tokens: at 32 x 1024 the 128M model ran at 40% MFU on an
+H100 (34% at 8 x 1024), and a larger one would only widen what an error in the activation estimate costs."""
+
+
 @dataclass(frozen=True)
-class StageChoice:
-    """The ZeRO stage ``deepspeed.zero_stage: auto`` chose, and the numbers it chose it from."""
+class MemoryPlan:
+    """The ZeRO stage and micro-batch a run trains with, and the estimate they were chosen from."""
 
     stage: int
+    micro_batch_size: int
     world_size: int
     model_state_bytes: int
     activation_bytes: int
@@ -49,10 +57,10 @@ class StageChoice:
         gib = 2**30
         need = (self.model_state_bytes + self.activation_bytes) / gib
         return (
-            f"deepspeed.zero_stage auto: stage {self.stage}, the lowest whose estimate fits a worker at the run's "
-            f"smallest size ({self.world_size} workers): {self.model_state_bytes / gib:.2f} GiB of "
-            f"model states + {self.activation_bytes / gib:.2f} GiB of activations = {need:.2f} GiB, within "
-            f"{HEADROOM:.0%} of {self.capacity_bytes / gib:.1f} GiB"
+            f"memory plan: ZeRO stage {self.stage}, micro-batch {self.micro_batch_size}; a worker at the run's "
+            f"smallest size ({self.world_size} workers) needs {self.model_state_bytes / gib:.2f} GiB of model states "
+            f"+ {self.activation_bytes / gib:.2f} GiB of activations = {need:.2f} GiB, within {HEADROOM:.0%} of "
+            f"{self.capacity_bytes / gib:.1f} GiB"
         )
 
 
@@ -72,33 +80,55 @@ def model_state_bytes(cfg: TrainConfig, stage: int, world_size: int) -> int:
     return int(total)
 
 
-def activation_bytes(cfg: TrainConfig) -> int:
-    """Peak bytes of one micro-batch's activations and logits through the backward pass."""
+def activation_bytes(cfg: TrainConfig, micro_batch: int) -> int:
+    """Peak bytes of the activations and logits of a micro-batch of ``micro_batch`` sequences through the backward."""
     m = cfg.model
     value = 4 if cfg.deepspeed.precision == "fp32" else 2
-    tokens = cfg.optim.micro_batch_size * m.seq_len
+    tokens = micro_batch * m.seq_len
     layers = 17 * value * tokens * m.d_model * m.n_layer
     logits = tokens * m.vocab_size * (2 * value + 8)  # logits, their gradient, the float32 loss input and its grad
     return layers + logits
 
 
-def choose_zero_stage(cfg: TrainConfig, capacity_bytes: int) -> StageChoice:
-    """The lowest ZeRO stage whose estimate fits ``HEADROOM`` of ``capacity_bytes`` at the run's smallest size.
+def micro_batch_candidates(cfg: TrainConfig) -> list[int]:
+    """The micro-batch sizes ``optim.micro_batch_size: auto`` may take, smallest first: they split the global
+    batch and the validation samples at every worker count in range, within ``MAX_MICRO_BATCH_TOKENS``."""
+    o, s = cfg.optim, cfg.scaling
+    if o.micro_batch_size != "auto":
+        return [o.micro_batch_size]
+    largest = min(o.global_batch_size, cfg.run.eval_samples) // s.max_workers
+    return [
+        m
+        for m in range(1, largest + 1)
+        if not failing_world_sizes(o.global_batch_size, m, s.min_workers, s.max_workers)
+        and (m == 1 or m * cfg.model.seq_len <= MAX_MICRO_BATCH_TOKENS)
+    ]
 
-    Lower stages communicate less, so the lowest that fits is the fastest. The stage is fixed for the
-    run from its smallest world size, where each worker holds the most: it fits at every size in range.
+
+def plan_memory(cfg: TrainConfig, capacity_bytes: int) -> MemoryPlan:
+    """The lowest ZeRO stage at which a worker at the run's smallest size fits the smallest candidate micro-batch
+    in ``HEADROOM`` of ``capacity_bytes``; then the largest micro-batch that fits at that stage.
+
+    Lower stages communicate less and larger micro-batches keep a GPU busier. Both are fixed for a run
+    from its smallest world size, where each worker holds the most: they fit at every size in range.
+    A stage or micro-batch that the config sets is taken as it is.
     """
     world = cfg.scaling.min_workers
-    activations = activation_bytes(cfg)
-    for stage in (0, 1, 2, 3):
+    stages = (0, 1, 2, 3) if cfg.deepspeed.zero_stage == "auto" else (cfg.deepspeed.zero_stage,)
+    micro_batches = micro_batch_candidates(cfg)
+    budget = HEADROOM * capacity_bytes
+    for stage in stages:
         states = model_state_bytes(cfg, stage, world)
-        if states + activations <= HEADROOM * capacity_bytes:
-            return StageChoice(stage, world, states, activations, capacity_bytes)
-    needed = (model_state_bytes(cfg, 3, world) + activations) / 2**30
+        fitting = [m for m in micro_batches if states + activation_bytes(cfg, m) <= budget]
+        if fitting:
+            return MemoryPlan(stage, fitting[-1], world, states, activation_bytes(cfg, fitting[-1]), capacity_bytes)
+    needed = (model_state_bytes(cfg, stages[-1], world) + activation_bytes(cfg, micro_batches[0])) / 2**30
     raise ConfigError(
-        f"deepspeed.zero_stage auto: even stage 3 needs {needed:.2f} GiB per worker at {world} workers, more than "
-        f"{HEADROOM:.0%} of the {capacity_bytes / 2**30:.1f} GiB a worker has; lower optim.micro_batch_size, "
-        "raise the smallest scaling.num_workers, or set zero_stage 3 with deepspeed.offload_optimizer"
+        f"deepspeed.zero_stage {cfg.deepspeed.zero_stage}, optim.micro_batch_size {cfg.optim.micro_batch_size}: "
+        f"even stage {stages[-1]} at micro-batch {micro_batches[0]} needs {needed:.2f} GiB per worker at {world} "
+        f"workers, more than {HEADROOM:.0%} of the {capacity_bytes / 2**30:.1f} GiB a worker has; lower "
+        "optim.micro_batch_size, raise the smallest scaling.num_workers, or set zero_stage 3 with "
+        "deepspeed.offload_optimizer"
     )
 
 
@@ -148,7 +178,7 @@ def _measure_configs(args: dict) -> None:
         cfg = config_from_dict(tree)
         torch.manual_seed(0)
         engine = build_engine(cfg, GPT(cfg.model), dist.get_world_size())
-        tokens = torch.randint(0, cfg.model.vocab_size, (cfg.optim.micro_batch_size, cfg.model.seq_len + 1))
+        tokens = torch.randint(0, cfg.model.vocab_size, (cfg.optim.smallest_micro_batch, cfg.model.seq_len + 1))
         count = torch.tensor([measured_model_state_bytes(engine, tokens)], dtype=torch.float64)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         held.append(int(count.item()))

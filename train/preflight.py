@@ -52,8 +52,14 @@ def check_deepspeed_file(cfg: TrainConfig) -> None:
         raise ConfigError(f"deepspeed.config_file: {path} is not valid JSON: {exc}") from None
     if not isinstance(override, dict):
         raise ConfigError(f"deepspeed.config_file: {path} must hold a JSON object")
-    if cfg.deepspeed.zero_stage == "auto":  # chosen on the workers; the batch keys do not depend on it
-        cfg = replace(cfg, deepspeed=replace(cfg.deepspeed, zero_stage=0))
+    # Autos are chosen on the workers; the batch keys' consistency depends on neither.
+    cfg = replace(
+        cfg,
+        deepspeed=replace(
+            cfg.deepspeed, zero_stage=0 if cfg.deepspeed.zero_stage == "auto" else cfg.deepspeed.zero_stage
+        ),
+        optim=replace(cfg.optim, micro_batch_size=cfg.optim.smallest_micro_batch),
+    )
     for world in range(cfg.scaling.min_workers, cfg.scaling.max_workers + 1):
         merged = build_ds_config(cfg, world)
         per_step = merged["train_micro_batch_size_per_gpu"] * merged["gradient_accumulation_steps"] * world
