@@ -1,0 +1,122 @@
+"""P3: MFU of ``python -m train`` on one GPU, defaults as shipped, and its ratio to a bare compiled PyTorch loop.
+
+    python bench/p3_mfu.py [--config small] [--steps 40] [--set KEY=VALUE ...]
+
+Needs a GPU. raywright trains the recipe on one worker (its own choices: ZeRO stage, micro-batch,
+compile); its seconds per step come from the wall-clock stamps of its reports after the first
+(compilation and warm-up excluded). The bare loop trains the same model on the same rows with what
+raywright chose (micro-batch, gradient accumulation to the same global batch, torch.compile or not,
+bf16 autocast, torch's fused AdamW, gradient clipping) and runs before and after raywright; the ratio
+is raywright's step time over the mean of the two. MFU = tokens/s x train.model.flops_per_token /
+the GPU's peak (train/metrics.py).
+
+P1 on the GPU is the same ratio at ZeRO-0 without compiling on either side, inverted (raywright's time
+over the bare loop's): ``--set deepspeed.zero_stage=0 --set run.compile=false``.
+"""
+
+import argparse
+import json
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from train.config import config_from_dict, load_config
+from train.data import load_split
+from train.ds_config import compiles
+from train.export import load_exported
+from train.launch import ensure_dataset, init_ray, run_training, run_uri
+from train.metrics import peak_tflops, read_metrics
+from train.model import GPT, flops_per_token
+from train.schedule import lr_at
+
+WARMUP_STEPS = 5  # the bare loop's steps before timing: compilation and the allocator's growth
+
+
+def bare_step_seconds(cfg, rows: np.ndarray, steps: int, compiled: bool) -> float:
+    torch.manual_seed(cfg.run.seed)
+    model = GPT(cfg.model).cuda()
+    o = cfg.optim
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, fused=True
+    )
+    forward = torch.compile(model) if compiled else model
+    accum = o.global_batch_size // o.micro_batch_size
+    tokens = torch.from_numpy(rows[: o.global_batch_size].astype(np.int64)).pin_memory()
+    for step in range(WARMUP_STEPS + steps):
+        if step == WARMUP_STEPS:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, o)
+        for k in range(accum):
+            batch = tokens[k * o.micro_batch_size : (k + 1) * o.micro_batch_size].cuda(non_blocking=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                _, loss = forward(batch[:, :-1], batch[:, 1:])
+            (loss / accum).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / steps
+    del model, opt, forward
+    torch.cuda.empty_cache()
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default="small")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--set", action="append", default=[])
+    args = parser.parse_args()
+    overrides = [
+        "scaling.num_workers=1",
+        f"optim.max_steps={args.steps}",
+        "run.log_every=5",
+        f"run.eval_every={args.steps}",
+        "checkpoint.every_steps=0",
+        "checkpoint.every_minutes=0",
+        f"run.storage_path={tempfile.mkdtemp(prefix='rw-p3-')}",
+        "run.name=p3",
+        *args.set,
+    ]
+    cfg = load_config(args.config, overrides)
+    init_ray(cfg)
+    data_path, _ = ensure_dataset(cfg)
+    rows = load_split(data_path, "train")
+    peak = peak_tflops(cfg.run.peak_tflops)
+
+    summary = run_training(cfg)
+    reports = [m for m in read_metrics(run_uri(cfg)) if "loss" in m][:-1]  # the last includes the export
+    timed = reports[1:]  # the first report's window holds the compilation
+    raywright = (timed[-1]["time"] - timed[0]["time"]) / (timed[-1]["step"] - timed[0]["step"])
+    chosen = config_from_dict(load_exported(summary.export).provenance["config"])  # the autos resolved
+    compiled = compiles(chosen)
+    bare = [bare_step_seconds(chosen, rows, args.steps, compiled) for _ in range(2)]
+    tokens_per_step = cfg.optim.global_batch_size * cfg.model.seq_len
+
+    def mfu(step_seconds: float) -> float:
+        return flops_per_token(cfg.model) * tokens_per_step / step_seconds / (peak * 1e12)
+
+    result = {
+        "gpu": torch.cuda.get_device_name(),
+        "P3_mfu": mfu(raywright),
+        "bare_mfu": mfu(float(np.mean(bare))),
+        "P3_ratio_to_bare": float(np.mean(bare)) / raywright,
+        "P1_raywright_over_bare": raywright / float(np.mean(bare)),
+        "raywright_step_s": raywright,
+        "bare_step_s": bare,
+        "tokens_per_s": tokens_per_step / raywright,
+        "zero_stage": chosen.deepspeed.zero_stage,
+        "micro_batch": chosen.optim.micro_batch_size,
+        "compiled": compiled,
+        "model": vars(cfg.model),
+        "global_batch": cfg.optim.global_batch_size,
+    }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
