@@ -1,8 +1,7 @@
 import pytest
 
 from train.batching import check_batch_divides, failing_world_sizes, grad_accum_steps
-from train.config import OptimConfig, load_config
-from train.ds_config import build_ds_config, compiles
+from train.config import OptimConfig
 from train.schedule import lr_at
 
 pytestmark = pytest.mark.unit
@@ -24,31 +23,3 @@ def test_grad_accum_keeps_global_batch_for_every_world_size():
     with pytest.raises(ValueError, match="not divisible"):
         grad_accum_steps(32, 4, 3)
     check_batch_divides(48, 4, 1, 4)
-
-
-def test_ds_config_from_recipe_and_raw_json_override(tmp_path):
-    raw = tmp_path / "ds.json"
-    raw.write_text('{"zero_optimization": {"reduce_bucket_size": 1000}, "gradient_clipping": 0.5}')
-    cfg = load_config("tiny", ["deepspeed.zero_stage=3", f"deepspeed.config_file={raw}"])
-    ds = build_ds_config(cfg, world_size=2)
-    assert ds["train_batch_size"] == 16 and ds["gradient_accumulation_steps"] == 1
-    assert ds["zero_optimization"]["stage"] == 3 and ds["zero_optimization"]["reduce_bucket_size"] == 1000
-    assert ds["zero_optimization"]["stage3_param_persistence_threshold"] == 10 * cfg.model.d_model
-    assert ds["gradient_clipping"] == 0.5
-    assert build_ds_config(cfg, world_size=1)["gradient_accumulation_steps"] == 2
-
-
-def test_run_compile_auto_is_on_for_gpus_at_zero_0_and_1_only():
-    def compiled(*overrides: str) -> bool:
-        return compiles(load_config("tiny", list(overrides)))
-
-    assert [compiled("scaling.use_gpu=true", f"deepspeed.zero_stage={s}") for s in range(4)] == [
-        True,
-        True,
-        False,
-        False,
-    ]
-    assert not compiled("scaling.use_gpu=false", "deepspeed.zero_stage=0")
-    assert compiled("run.compile=true", "deepspeed.zero_stage=3") and not compiled(
-        "run.compile=false", "scaling.use_gpu=true"
-    )

@@ -1,10 +1,13 @@
 """Builds the DeepSpeed config for one world size from the typed training config, and the engine."""
 
 import json
+import os
+import re
 from typing import Any
 
 import deepspeed
 import torch
+import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from train.batching import grad_accum_steps
@@ -35,7 +38,7 @@ def build_ds_config(cfg: TrainConfig, world_size: int, load_universal: bool = Fa
     if ds.offload_optimizer:
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": cfg.scaling.use_gpu}
         # The step runs on the host, where DeepSpeed's CPU Adam (built from this entry) is the fast one.
-        config["optimizer"] = {"type": "AdamW", "params": _adamw_params(cfg)}
+        config["optimizer"] = _host_adam_entry(cfg)
     if ds.offload_params:
         config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": cfg.scaling.use_gpu}
     if load_universal:
@@ -49,7 +52,12 @@ def build_ds_config(cfg: TrainConfig, world_size: int, load_universal: bool = Fa
 def build_engine(cfg: TrainConfig, model: torch.nn.Module, world_size: int, load_universal: bool = False):
     """A DeepSpeed engine training ``model`` on this process's device, ``build_ds_config``'s arguments."""
     model.to(get_accelerator().current_device_name())  # where DeepSpeed puts it; the optimizer is built there
+    _strip_cuda_arch_suffixes()
     ds_config = build_ds_config(cfg, world_size, load_universal)
+    if ds_config.get("optimizer") == _host_adam_entry(cfg) and not _host_adam_builds():
+        # The offloaded step then runs torch's AdamW on the host: slower than DeepSpeed's, the same math.
+        del ds_config["optimizer"]
+        ds_config["zero_force_ds_cpu_optimizer"] = False
     engine, *_ = deepspeed.initialize(
         model=model,
         optimizer=_client_optimizer(cfg, ds_config, model),
@@ -80,6 +88,42 @@ def _client_optimizer(cfg: TrainConfig, ds_config: dict[str, Any], model: torch.
         return None
     params = list(model.parameters())
     return torch.optim.AdamW(params, **_adamw_params(cfg), fused=params[0].is_cuda)
+
+
+def _host_adam_entry(cfg: TrainConfig) -> dict[str, Any]:
+    return {"type": "AdamW", "params": _adamw_params(cfg)}
+
+
+def _host_adam_builds() -> bool:
+    """Whether DeepSpeed's CPU Adam, a JIT-built op, builds (or is built) here; rank 0 says why when it does not."""
+    try:
+        get_accelerator().create_op_builder("CPUAdamBuilder").load()
+        return True
+    except Exception as exc:  # a compiler missing or failing, an unparsable arch list: any build failure
+        if dist.get_rank() == 0:
+            print(f"DeepSpeed's CPU Adam could not be built ({exc}); the offloaded step runs torch's AdamW", flush=True)
+        return False
+
+
+_ARCH_SUFFIX = re.compile(r"^(\d+\.\d+)[a-z]+(\+PTX)?$")
+
+
+def cuda_arch_list_for_deepspeed(arch_list: str) -> str:
+    """``TORCH_CUDA_ARCH_LIST`` without arch-specific suffixes (``9.0a`` -> ``9.0``), which DeepSpeed's op builder
+    parses as integers and crashes on; ``+PTX`` stays."""
+    tokens = arch_list.replace(" ", ";").split(";")
+    return ";".join(_ARCH_SUFFIX.sub(r"\1\2", token.strip()) for token in tokens if token.strip())
+
+
+def _strip_cuda_arch_suffixes() -> None:
+    """GPU images for Hopper and Blackwell set e.g. ``TORCH_CUDA_ARCH_LIST=9.0a``; the ops DeepSpeed builds need
+    no arch-specific features, so they build for the plain arch."""
+    current = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+    usable = cuda_arch_list_for_deepspeed(current)
+    if usable.split(";") != current.replace(" ", ";").split(";"):
+        os.environ["TORCH_CUDA_ARCH_LIST"] = usable
+        if dist.get_rank() == 0:
+            print(f"TORCH_CUDA_ARCH_LIST {current!r} is read as {usable!r} for DeepSpeed's op builds", flush=True)
 
 
 def _adamw_params(cfg: TrainConfig) -> dict[str, Any]:

@@ -1,0 +1,69 @@
+"""The DeepSpeed config and engine builder: the config from a recipe, compile's default, and what it does on GPU
+images DeepSpeed cannot build its ops on."""
+
+import deepspeed
+import pytest
+import torch
+
+from train.config import load_config
+from train.ds_config import build_ds_config, build_engine, compiles, cuda_arch_list_for_deepspeed
+from train.model import GPT
+
+
+@pytest.mark.unit
+def test_ds_config_from_recipe_and_raw_json_override(tmp_path):
+    raw = tmp_path / "ds.json"
+    raw.write_text('{"zero_optimization": {"reduce_bucket_size": 1000}, "gradient_clipping": 0.5}')
+    cfg = load_config("tiny", ["deepspeed.zero_stage=3", f"deepspeed.config_file={raw}"])
+    ds = build_ds_config(cfg, world_size=2)
+    assert ds["train_batch_size"] == 16 and ds["gradient_accumulation_steps"] == 1
+    assert ds["zero_optimization"]["stage"] == 3 and ds["zero_optimization"]["reduce_bucket_size"] == 1000
+    assert ds["zero_optimization"]["stage3_param_persistence_threshold"] == 10 * cfg.model.d_model
+    assert ds["gradient_clipping"] == 0.5
+    assert build_ds_config(cfg, world_size=1)["gradient_accumulation_steps"] == 2
+
+
+@pytest.mark.unit
+def test_run_compile_auto_is_on_for_gpus_at_zero_0_and_1_only():
+    def compiled(*overrides: str) -> bool:
+        return compiles(load_config("tiny", list(overrides)))
+
+    assert [compiled("scaling.use_gpu=true", f"deepspeed.zero_stage={s}") for s in range(4)] == [
+        True,
+        True,
+        False,
+        False,
+    ]
+    assert not compiled("scaling.use_gpu=false", "deepspeed.zero_stage=0")
+    assert compiled("run.compile=true", "deepspeed.zero_stage=3") and not compiled(
+        "run.compile=false", "scaling.use_gpu=true"
+    )
+
+
+@pytest.mark.unit
+def test_arch_suffixes_that_deepspeed_cannot_parse_are_dropped():
+    assert cuda_arch_list_for_deepspeed("9.0a") == "9.0"
+    assert cuda_arch_list_for_deepspeed("8.0;9.0a+PTX") == "8.0;9.0+PTX"
+    assert cuda_arch_list_for_deepspeed("10.0f 12.0a") == "10.0;12.0"
+    assert cuda_arch_list_for_deepspeed("7.5;8.6+PTX") == "7.5;8.6+PTX"
+
+
+@pytest.mark.unit
+def test_an_offloaded_optimizer_falls_back_to_torch_adamw_when_deepspeed_cannot_build_its_op(
+    process_group, monkeypatch, tmp_path, capsys
+):
+    deepspeed.init_distributed(dist_backend="gloo")  # DeepSpeed's communication ops, built as usual, first
+    # Then no compiler and no built op: DeepSpeed's CPU Adam cannot be had, as on an image whose build fails.
+    monkeypatch.setenv("CXX", "/bin/false")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    cfg = load_config("tiny", ["deepspeed.zero_stage=1", "deepspeed.offload_optimizer=true"])
+    engine = build_engine(cfg, GPT(cfg.model), world_size=1)
+    assert "DeepSpeed's CPU Adam could not be built" in capsys.readouterr().out
+    assert type(engine.optimizer.optimizer) is torch.optim.AdamW  # inside DeepSpeed's ZeRO-1 wrapper
+    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.optim.micro_batch_size, cfg.model.seq_len + 1))
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    for _ in range(engine.gradient_accumulation_steps()):
+        _, loss = engine(tokens[:, :-1], tokens[:, 1:])
+        engine.backward(loss)
+        engine.step()
+    assert all(not torch.equal(b, p) for b, p in zip(before, engine.module.parameters(), strict=True))
