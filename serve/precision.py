@@ -11,7 +11,8 @@ The integer matmul runs on the float units: a float32 sum of int8 products is ex
 below 2**24, whatever order the BLAS adds in. ``torch._int_mm`` gives the same integers but on a
 CPU without VNNI (AVX2 only) it was 18x slower than this at a batch of 32.
 
-On a GPU, ``int8`` (weight-only) and ``fp8`` go through torchao, the usual route there.
+On a GPU, ``int8`` (weight-only) and ``fp8`` (float8 weights and activations, rowwise scales) go through
+torchao, the usual route there.
 """
 
 from typing import Literal, get_args
@@ -73,11 +74,21 @@ def _swap_linears(module: nn.Module) -> None:
 
 
 def _torchao_quantize(module: nn.Module, precision: str) -> None:
+    """int8: weight-only (half of bf16's memory); fp8: weights and activations in float8 with a scale per row
+    (per output channel, per token), the mode that runs the matmuls on the GPU's float8 units."""
     try:
-        from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+        from torchao.quantization import (
+            Float8DynamicActivationFloat8WeightConfig,
+            Int8WeightOnlyConfig,
+            PerRow,
+            quantize_,
+        )
     except ImportError:
         raise ValueError(f"precision {precision!r} on a GPU needs torchao: pip install torchao") from None
-    quantize_(module, Int8WeightOnlyConfig() if precision == "int8" else Float8WeightOnlyConfig())
+    if precision == "int8":
+        quantize_(module, Int8WeightOnlyConfig())
+    else:
+        quantize_(module, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
 
 
 def apply_precision(module: nn.Module, precision: str, device: torch.device) -> nn.Module:
