@@ -72,6 +72,10 @@ class Sequence:
         self.cancelled = False
 
 
+def _plain_greedy(params: GenerationParams) -> bool:
+    return params.temperature < GREEDY_BELOW and not params.presence_penalty and not params.frequency_penalty
+
+
 class Engine:
     def __init__(self, decoder: Decoder, tokenizer: BPETokenizer):
         self.decoder = decoder
@@ -87,26 +91,29 @@ class Engine:
         """Sample each sequence's next token from its row of ``logits``; record its text and finish.
 
         The tokens are chosen on the logits' device and reach the host in one copy: one sync per step,
-        not one per sequence (on a GPU each sync waits for the whole step).
+        not one per sequence (on a GPU each sync waits for the whole step). Plain greedy rows, the
+        common case, take theirs from one argmax over the batch and cost no per-row tensor work.
         """
-        greedy = torch.argmax(logits, dim=-1)  # every plain greedy row in one kernel
-        chosen = [
-            (seq, row, self._guarded(seq, lambda seq=seq, row=row, best=best: self._choose(seq, row, best)))
-            for seq, row, best in zip(seqs, logits, greedy, strict=True)
-        ]
-        chosen = [(seq, row, token) for seq, row, token in chosen if token is not None]
-        tokens = torch.stack([token for *_, token in chosen]).tolist() if chosen else []
-        for (seq, row, _), token in zip(chosen, tokens, strict=True):
-            self._guarded(seq, lambda seq=seq, row=row, token=token: self._record(seq, row, token))
+        tokens = torch.argmax(logits, dim=-1)
+        failed = set()
+        for i, seq in enumerate(seqs):
+            if _plain_greedy(seq.params):
+                continue
+            token = self._guarded(seq, lambda seq=seq, row=logits[i]: self._choose(seq, row))
+            if token is None:
+                failed.add(i)
+            else:
+                tokens[i] = token
+        for i, (seq, token) in enumerate(zip(seqs, tokens.tolist(), strict=True)):
+            if i not in failed:
+                self._guarded(seq, lambda seq=seq, i=i, token=token: self._record(seq, logits[i], token))
 
-    def _choose(self, seq: Sequence, logits: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
-        """The next token of ``seq`` on the logits' device; ``greedy`` is the argmax of ``logits``."""
+    def _choose(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
+        """The next token of ``seq`` (penalized, or sampled) on the logits' device."""
         params = seq.params
         # Penalty counts and a generator only for the requests that use them: this runs per token.
         if (params.presence_penalty or params.frequency_penalty) and seq.counts is None:
             seq.counts = torch.zeros_like(logits)
-        if seq.counts is None and params.temperature < GREEDY_BELOW:
-            return greedy
         if params.temperature >= GREEDY_BELOW and seq.generator is None:
             seq.generator = make_generator(params.seed, logits.device)
         if seq.counts is not None:
@@ -167,8 +174,9 @@ class Engine:
 
     def _compact(self, keep: list[Sequence]) -> None:
         """Keep only ``keep`` (in order) in slots 0..len(keep)-1, moving caches down."""
+        old_slots = {id(seq): slot for slot, seq in enumerate(self.live)}
         for slot, seq in enumerate(keep):
-            old = self.live.index(seq)
+            old = old_slots[id(seq)]  # keep is in slot order: a slot is overwritten only once its owner has moved
             if old != slot:
                 self.decoder.move(old, slot)
                 self.live[slot] = seq

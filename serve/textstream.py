@@ -38,6 +38,9 @@ class TextStream:
     def _add(self, text: str) -> str:
         if self.stopped:
             return ""
+        if not self.stop:  # the common case, per token
+            self.text += text
+            return self._take(len(self.text))
         start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0))
         self.text += text
         hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
