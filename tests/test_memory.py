@@ -2,6 +2,7 @@
 and its estimate against real engines."""
 
 import pytest
+import torch
 
 from train.batching import grad_accum_steps
 from train.config import load_config
@@ -83,6 +84,33 @@ def test_auto_micro_batch_splits_the_batch_at_every_size_and_is_the_largest_that
     assert plan_memory(staged, capacity).stage == 3 and plan_memory(staged, capacity).micro_batch_size == 10
     # Validation runs a micro-batch per worker at a time: run.eval_samples bounds it too.
     assert max(micro_batch_candidates(load_config("small", ["scaling.num_workers=4", "run.eval_samples=40"]))) == 10
+
+
+def _bytes_saved_for_backward(cfg, micro_batch: int, dtype: torch.dtype) -> int:
+    """What autograd keeps from the forward pass of one micro-batch for the backward (weights excluded)."""
+    torch.manual_seed(0)
+    model = GPT(cfg.model).to(dtype)
+    tokens = torch.randint(0, cfg.model.vocab_size, (micro_batch, cfg.model.seq_len + 1))
+    saved = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(tokens[:, :-1], tokens[:, 1:])
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(size for pointer, size in saved.items() if pointer not in weights)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("precision,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_the_activation_estimate_bounds_what_autograd_saves(precision, dtype):
+    """The estimate that sizes an auto micro-batch, against the model's real forward (2 of the small shape's layers)."""
+    cfg = load_config("small", ["model.n_layer=2", f"deepspeed.precision={precision}"])
+    saved = _bytes_saved_for_backward(cfg, 2, dtype)
+    assert saved <= activation_bytes(cfg, 2) <= 1.10 * saved
 
 
 @pytest.mark.unit
