@@ -157,7 +157,12 @@ class _DecodeGraphs:
         self.positions[:padded].copy_(torch.tensor(positions + padding))
         key = (padded, span)
         if key not in self.captured:
-            self.captured[key] = self._capture(padded, span)
+            try:
+                self.captured[key] = self._capture(padded, span)
+            except RuntimeError:  # e.g. a quantized kernel that syncs with the host: serve, eagerly
+                logger.exception("the decode step cannot be captured as a CUDA graph; decoding eagerly from now on")
+                self.decoder.graphs = None
+                return self.decoder.decode_span(self.tokens[:batch], self.positions[:batch], span)
         graph, logits = self.captured[key]
         graph.replay()
         return logits[:batch].clone()  # the next replay overwrites the graph's output
