@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Issue 10's checks on one GPU, one part per call (each fits a 10-minute call on an H100):
+#   bash bench/gpu_checks.sh tests|p7|p3|p3-medium|p1
+# For the lent GPU machine first run, here,
+#   SERVE=1 EXTRA_WHEELS="torchao==0.18.0 pytest pluggy iniconfig" ../shared/gpu/bundle.sh
+# and ship .gpu-wheels along: this script installs them (that machine lacks Ray, DeepSpeed, torchao, pytest).
+# Logs and JSON reports go to $OUT (default ./gpu-out); the last lines printed are the figures.
+set -uo pipefail
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+if [ -d .gpu-wheels ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .gpu-wheels/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+fi
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,power.limit --format=csv,noheader
+
+run() {  # run NAME COMMAND...: the command's output to $out/NAME.log, its last JSON lines to the terminal
+  local name=$1; shift
+  "$@" > "$out/$name.log" 2>&1
+  echo "== $name (exit $?)"
+  tail -n 40 "$out/$name.log" | grep -E '^\s*"(P[0-9]|gpu|tokens_per_s|bare|raywright|zero_stage|micro|compiled|perplexity)|passed|failed|error' || tail -n 5 "$out/$name.log"
+}
+
+case ${1:-} in
+  # Only the files that hold gpu tests: the others import what the GPU machine lacks (optuna, moto, ...).
+  tests) run gpu_tests python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_training.py tests/test_serve_engine.py ;;
+  p7) run p7 python bench/p7_serving.py --seconds 15 ;;
+  p3) run p3_small python bench/p3_mfu.py --steps 30 ;;
+  p3-medium) run p3_medium python bench/p3_mfu.py --config medium --steps 20 ;;
+  p1) run p1_gpu python bench/p3_mfu.py --steps 30 --set deepspeed.zero_stage=0 --set run.compile=false ;;
+  *) echo "usage: bash bench/gpu_checks.sh tests|p7|p3|p3-medium|p1" >&2; exit 2 ;;
+esac
