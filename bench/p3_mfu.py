@@ -8,7 +8,8 @@ compile); its seconds per step come from the wall-clock stamps of its reports af
 raywright chose (micro-batch, gradient accumulation to the same global batch, torch.compile or not,
 bf16 autocast, torch's fused AdamW, gradient clipping) and runs before and after raywright; the ratio
 is raywright's step time over the mean of the two. MFU = tokens/s x train.model.flops_per_token /
-the GPU's peak (train/metrics.py).
+the GPU's peak (train/metrics.py). It also gives P2's GPU figure: the memory plan's estimate
+(train/memory.py) over the peak memory the worker allocated.
 
 P1 on the GPU is the same ratio at ZeRO-0 without compiling on either side, inverted (raywright's time
 over the bare loop's): ``--set deepspeed.zero_stage=0 --set run.compile=false``.
@@ -27,6 +28,7 @@ from train.data import load_split
 from train.ds_config import compiles
 from train.export import load_exported
 from train.launch import ensure_dataset, init_ray, run_training, run_uri
+from train.memory import activation_bytes, model_state_bytes
 from train.metrics import peak_tflops, read_metrics
 from train.model import GPT, flops_per_token
 from train.schedule import lr_at
@@ -100,8 +102,16 @@ def main() -> None:
     def mfu(step_seconds: float) -> float:
         return flops_per_token(cfg.model) * tokens_per_step / step_seconds / (peak * 1e12)
 
+    # P2 on the GPU: the memory plan's estimate against the peak the worker allocated (its metrics' memory_gb).
+    estimate = model_state_bytes(chosen, chosen.deepspeed.zero_stage, 1) + activation_bytes(
+        chosen, chosen.optim.micro_batch_size
+    )
+    peak_allocated = max(m["memory_gb"] for m in reports) * 2**30
     result = {
         "gpu": torch.cuda.get_device_name(),
+        "P2_estimate_over_peak": estimate / peak_allocated,
+        "estimate_gib": estimate / 2**30,
+        "peak_allocated_gib": peak_allocated / 2**30,
         "P3_mfu": mfu(raywright),
         "bare_mfu": mfu(float(np.mean(bare))),
         "P3_ratio_to_bare": float(np.mean(bare)) / raywright,
