@@ -216,7 +216,12 @@ class Trainer:
 
     def _with_memory_plan(self, latest: dict[str, Any] | None) -> TrainConfig:
         """The config with its autos made values: ``deepspeed.zero_stage`` the checkpoint's when the run resumes
-        (a run keeps its stage), and what ``plan_memory`` picks for the smallest worker's memory."""
+        (a run keeps its stage), and what ``plan_memory`` picks for the smallest worker's memory.
+
+        A run keeps its stage because DeepSpeed 0.19.8's universal checkpoints do not restore across all of
+        them: a ZeRO-2 checkpoint of 2 workers resumed at 1 worker with stage 1 gave the stage-2 losses, but
+        failed to load with stage 0 (the torch optimizer's state) and with stage 3.
+        """
         cfg = self.cfg
         if latest is not None and cfg.deepspeed.zero_stage == "auto":
             cfg = replace(cfg, deepspeed=replace(cfg.deepspeed, zero_stage=latest["config"]["deepspeed"]["zero_stage"]))
