@@ -146,7 +146,7 @@ def perplexity(export: str, precision: str, rows: np.ndarray, device: str = "cpu
     losses = []
     for row in rows:
         tokens = [int(t) for t in row]
-        logits = decoder.prefill(0, tokens[:-1])
+        (logits,) = decoder.prefill([0], [tokens[:-1]], [True])
         losses.append(torch.nn.functional.cross_entropy(logits, torch.tensor(tokens[1:], device=device)).item())
     return math.exp(sum(losses) / len(losses))
 

@@ -3,9 +3,9 @@
 The GPT runs its own incremental forward (``GPT.hidden_states`` with positions and a cache);
 this module owns the cache and the untied, quantizable output projection.
 
-The cache has one slot per sequence in flight. A new sequence's prompt is run alone into a free
-slot (``prefill``); then all live sequences advance one token per ``decode`` call, whatever their
-lengths: each attends over its own slot, masked to its own length. Live sequences occupy slots
+The cache has one slot per sequence in flight. The prompts of the sequences that arrive together are
+run into free slots in one pass (``prefill``); then all live sequences advance one token per ``decode``
+call, whatever their lengths: each attends over its own slot, masked to its own length. Live sequences occupy slots
 0..B-1 (``move`` closes the gap a finished one leaves), so a decode step reads the cache
 without copying it.
 
@@ -71,11 +71,22 @@ class Decoder:
         self.graphs = _DecodeGraphs(self) if cuda_graphs and device.type == "cuda" else None
 
     @torch.inference_mode()
-    def prefill(self, slot: int, prompt: list[int]) -> torch.Tensor:
-        """Run ``prompt`` into cache ``slot``; the logits (len(prompt), vocab) of the token after each position."""
-        tokens = torch.tensor([prompt], device=self.device)
-        cache = _PrefillCache(self, slot, len(prompt))
-        return self._logits(tokens, torch.arange(len(prompt), device=self.device), cache)[0]
+    def prefill(self, slots: list[int], prompts: list[list[int]], every_position: list[bool]) -> list[torch.Tensor]:
+        """Run each prompt into its cache slot, all in one forward pass (right-padded to the longest prompt).
+
+        Returns, per prompt, the logits (1, vocab) of the token after its last position, or where
+        ``every_position`` those (len(prompt), vocab) after each of its positions.
+        """
+        lengths = [len(prompt) for prompt in prompts]
+        width = max(lengths)
+        tokens = torch.tensor([prompt + [0] * (width - len(prompt)) for prompt in prompts], device=self.device)
+        cache = _PrefillCache(self, torch.tensor(slots, device=self.device), width)
+        hidden = self.model.hidden_states(tokens, torch.arange(width, device=self.device), cache)
+        last = self.head(hidden[torch.arange(len(prompts)), torch.tensor(lengths) - 1]).float()
+        return [
+            self.head(hidden[i, :length]).float() if every else last[i : i + 1]
+            for i, (length, every) in enumerate(zip(lengths, every_position, strict=True))
+        ]
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
@@ -104,14 +115,19 @@ class Decoder:
 
 
 class _PrefillCache:
-    """A prompt's keys and values go into one slot; the prompt attends causally to itself."""
+    """Each prompt's keys and values go into its slot; each prompt attends causally to itself.
 
-    def __init__(self, decoder: Decoder, slot: int, length: int):
-        self.decoder, self.slot, self.length = decoder, slot, length
+    Prompts are right-padded to one width: padding only follows a prompt's tokens, so causal attention
+    keeps it out of them, and its keys and values land past the prompt in the slot, where each decode
+    step writes its own before any query reads that far.
+    """
+
+    def __init__(self, decoder: Decoder, slots: torch.Tensor, width: int):
+        self.decoder, self.slots, self.width = decoder, slots, width
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.decoder.keys[layer, self.slot, :, : self.length] = k[0]
-        self.decoder.values[layer, self.slot, :, : self.length] = v[0]
+        self.decoder.keys[layer][self.slots, :, : self.width] = k
+        self.decoder.values[layer][self.slots, :, : self.width] = v
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 

@@ -147,12 +147,35 @@ class Engine:
             seq.chunks = [Chunk(GENERATION_FAILED, "error", 0)]
             return None
 
-    def _admit(self, seq: Sequence, slot: int) -> None:
-        logits = self.decoder.prefill(slot, seq.prompt)
-        if seq.params.prompt_logprobs:
-            top = seq.params.logprobs or 0
-            seq.prompt_logprobs = [token_logprob(row, t, top) for row, t in zip(logits, seq.prompt[1:], strict=False)]
-        self._accept([seq], logits[-1:])
+    def _admit(self, admitted: list[Sequence]) -> None:
+        """Prefill ``admitted`` into the next free slots in one pass and take each one's first token.
+
+        Should the pass fail, each sequence is prefilled alone, so that only one that fails alone fails.
+        """
+        first = len(self.live)
+        self.live.extend(admitted)
+        slots = list(range(first, len(self.live)))
+        every = [seq.params.prompt_logprobs for seq in admitted]
+        try:
+            logits = self.decoder.prefill(slots, [seq.prompt for seq in admitted], every)
+        except Exception:
+            logger.exception("prefilling %d prompts together failed; prefilling them one at a time", len(admitted))
+            logits = [
+                self._guarded(seq, lambda seq=seq, slot=slot, e=e: self.decoder.prefill([slot], [seq.prompt], [e])[0])
+                for seq, slot, e in zip(admitted, slots, every, strict=True)
+            ]
+        prefilled = [(seq, rows) for seq, rows in zip(admitted, logits, strict=True) if rows is not None]
+        for seq, rows in prefilled:
+            if seq.params.prompt_logprobs:
+                self._guarded(seq, lambda seq=seq, rows=rows: self._record_prompt_logprobs(seq, rows))
+        prefilled = [(seq, rows) for seq, rows in prefilled if seq.finish_reason is None]
+        if prefilled:
+            self._accept([seq for seq, _ in prefilled], torch.cat([rows[-1:] for _, rows in prefilled]))
+
+    @staticmethod
+    def _record_prompt_logprobs(seq: Sequence, rows: torch.Tensor) -> None:
+        top = seq.params.logprobs or 0
+        seq.prompt_logprobs = [token_logprob(row, t, top) for row, t in zip(rows, seq.prompt[1:], strict=False)]
 
     def step(self, admitted: list[Sequence]) -> list[Sequence]:
         """Admit ``admitted`` (at most ``free_slots``), advance every live sequence one token.
@@ -165,10 +188,8 @@ class Engine:
         if stepping:
             logits = self.decoder.decode([s.last_token for s in stepping], [s.position for s in stepping])
             self._accept(stepping, logits)
-        for seq in admitted:
-            slot = len(self.live)
-            self.live.append(seq)
-            self._guarded(seq, lambda seq=seq, slot=slot: self._admit(seq, slot))
+        if admitted:
+            self._admit(admitted)
         self._compact([seq for seq in self.live if seq.finish_reason is None])
         return stepping + admitted
 

@@ -73,9 +73,15 @@ def test_kv_cache_decoding_matches_the_full_forward(precision):
     decoder = Decoder(model, max_batch=2, precision=precision)
     prompts = [[5, 6, 7, 8, 9], [200, 201]]
     tolerance = 1e-5 if precision == "fp32" else 0.05  # int8 also quantizes the head the reference keeps in float
-    for slot, prompt in enumerate(prompts):
-        prefilled = decoder.prefill(slot, prompt[:-1])
-        assert torch.allclose(prefilled, reference(torch.tensor([prompt[:-1]]))[0], atol=tolerance)
+    # Both prompts in one pass: the shorter one is padded, and its padding must change nothing.
+    together = decoder.prefill([0, 1], [p[:-1] for p in prompts], [True, False])
+    assert torch.allclose(together[0], reference(torch.tensor([prompts[0][:-1]]))[0], atol=tolerance)
+    assert torch.allclose(together[1], reference(torch.tensor([prompts[1][:-1]]))[0, -1:], atol=tolerance)
+    alone = decoder.prefill([1], [prompts[1][:-1]], [False])[0]
+    if precision == "int8":  # its rows are computed independently: the same bits alone or together
+        assert torch.equal(alone, together[1])
+    else:  # a float matmul's rounding may follow the batch's shape
+        assert torch.allclose(alone, together[1], atol=1e-6)
     tokens, positions = [p[-1] for p in prompts], [len(p) - 1 for p in prompts]
     logits = decoder.decode(tokens, positions)
     for row, prompt in zip(logits, prompts, strict=True):
