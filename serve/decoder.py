@@ -82,7 +82,8 @@ class Decoder:
         tokens = torch.tensor([prompt + [0] * (width - len(prompt)) for prompt in prompts], device=self.device)
         cache = _PrefillCache(self, torch.tensor(slots, device=self.device), width)
         hidden = self.model.hidden_states(tokens, torch.arange(width, device=self.device), cache)
-        last = self.head(hidden[torch.arange(len(prompts)), torch.tensor(lengths) - 1]).float()
+        ends = torch.tensor(lengths, device=self.device) - 1
+        last = self.head(hidden[torch.arange(len(prompts), device=self.device), ends]).float()
         return [
             self.head(hidden[i, :length]).float() if every else last[i : i + 1]
             for i, (length, every) in enumerate(zip(lengths, every_position, strict=True))
