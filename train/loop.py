@@ -64,10 +64,10 @@ def evaluate(engine, val_rows: np.ndarray, micro_batch: int) -> float:
         raise ValueError(f"run.eval_samples must be >= optim.micro_batch_size x {world} workers")
     mine = val_rows[rank * per_rank : (rank + 1) * per_rank]
     engine.eval()
-    total = 0.0
+    total = torch.zeros((), dtype=torch.float64, device=engine.device)  # read once, not per micro-batch
     for start in range(0, per_rank, micro_batch):
         _, loss = engine(*_to_batch(mine[start : start + micro_batch], engine.device))
-        total += loss.item() * micro_batch
+        total += loss.detach().double() * micro_batch
     engine.train()
     return _mean_over_ranks(total, per_rank, engine.device)
 
