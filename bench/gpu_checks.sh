@@ -2,8 +2,9 @@
 # Issue 10's checks on one GPU, one part per call (each fits a 10-minute call on an H100):
 #   bash bench/gpu_checks.sh tests|p7|p3|p3-medium|p1
 # For the lent GPU machine first run, here,
-#   SERVE=1 EXTRA_WHEELS="torchao==0.18.0 pytest pluggy iniconfig psutil" ../shared/gpu/bundle.sh
-# and ship .gpu-wheels along: this script installs them (that machine lacks Ray, DeepSpeed, torchao, pytest).
+#   SERVE=1 EXTRA_WHEELS="torchao==0.18.0 pytest pluggy iniconfig pygments psutil" ../shared/gpu/bundle.sh
+# (62 MB, under the 64 MiB a call may carry) and carry .gpu-wheels along: this script installs them (that
+# machine lacks Ray, DeepSpeed, torchao, pytest).
 # Logs and JSON reports go to $OUT (default ./gpu-out); the last lines printed are the figures.
 set -uo pipefail
 out=${OUT:-gpu-out}
