@@ -92,6 +92,29 @@ def test_kv_cache_decoding_matches_the_full_forward(precision):
     assert torch.equal(whole, logits)
 
 
+def test_padding_rows_of_a_captured_decode_shape_change_no_live_sequence():
+    """What the CUDA graphs rely on, checked on the CPU: a decode step padded to a larger batch (extra rows
+    write position 0 of free slots) gives the live rows the same bits, and a prompt later prefilled into
+    a padded slot decodes as in a fresh cache."""
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(seq_len=32, n_layer=2, n_head=2, d_model=32)).eval()
+    prompts = [[5, 6, 7, 8], [200, 201], [9, 10, 11]]
+    padded, plain = (Decoder(model, max_batch=4, precision="int8") for _ in range(2))
+    for decoder in (padded, plain):
+        decoder.prefill([0, 1, 2], prompts, [False] * 3)
+    tokens, positions = [1, 2, 3], [len(p) for p in prompts]
+    live = plain.decode_span(torch.tensor(tokens), torch.tensor(positions), 16)
+    with_padding = padded.decode_span(torch.tensor([*tokens, 0]), torch.tensor([*positions, 0]), 16)
+    assert torch.equal(with_padding[:3], live)
+    late = [42, 43, 44, 45, 46]
+    for decoder in (padded, plain):
+        decoder.prefill([3], [late], [False])
+    fresh = Decoder(model, max_batch=1, precision="int8")
+    fresh.prefill([0], [late], [False])
+    expected = fresh.decode([7], [len(late)])
+    assert torch.equal(padded.decode([*tokens, 7], [p + 1 for p in positions] + [len(late)])[3:], expected)
+
+
 def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
     return int(next_token_tensor(logits, temperature, top_p, generator))
 
