@@ -19,6 +19,10 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 KINDS = ("train", "tune", "serve")
 AGENT_WAIT_S = 60
+# How long `stop` lets a job end on its own before Ray's job supervisor SIGKILLs it (Ray's default: 3 s).
+# Ray Train's graceful abort, which withdraws the run's autoscaler request, took longer than 3 s on a
+# loaded machine; killed before that, the run's nodes stay up until the request expires (3 minutes).
+STOP_WAIT_S = 30
 # Never uploaded: secrets (environment files, keys, virtual environments, Ray's token dir), local runs,
 # data, caches and git history.
 EXCLUDES = [
@@ -97,6 +101,7 @@ def submit(kind: str, config: str, overrides: list[str], address: str | None, en
     if kind not in KINDS:
         raise JobError(f"unknown job kind {kind!r}; one of {list(KINDS)}")
     check_config(kind, config, overrides)
+    env = {"RAY_JOB_STOP_WAIT_TIME_S": str(STOP_WAIT_S), **env}  # read by the job's supervisor actor
     client = connect(address)
     deadline = time.time() + AGENT_WAIT_S
     while True:
