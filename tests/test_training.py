@@ -30,7 +30,7 @@ def _train_losses(cfg) -> dict[int, float]:
 
 
 def test_zero_stages_1_2_3_learn_the_same_thing(tiny_config):
-    losses = {}
+    losses, cfg_of = {}, {}
     for stage in (1, 2, 3):
         cfg = tiny_config(
             f"deepspeed.zero_stage={stage}",
@@ -38,12 +38,18 @@ def test_zero_stages_1_2_3_learn_the_same_thing(tiny_config):
             "optim.max_steps=20",
             "run.eval_every=20",
             "run.log_every=5",
+            *(["run.profile_steps=[3,4]"] if stage == 2 else []),
         )
         summary = run_training(cfg)
         assert summary.steps == 20
         assert summary.final_val_loss < summary.initial_val_loss - 1.0
-        losses[stage] = _train_losses(cfg)
+        losses[stage], cfg_of[stage] = _train_losses(cfg), cfg
         assert sorted(losses[stage]) == [1, 5, 10, 15, 20]  # the first step always reports
+    # Every rank traced steps 3-4 of the ZeRO-2 run, phase by phase (and the profiler changed no loss below).
+    for rank in (0, 1):
+        trace = json.loads(storage.read_bytes(storage.join(run_uri(cfg_of[2]), "profile", f"steps3-4-rank{rank}.json")))
+        phases = [event["name"] for event in trace["traceEvents"] if event.get("cat") == "user_annotation"]
+        assert phases.count("forward") == phases.count("backward") == phases.count("optimizer_step") == 2
     # ZeRO partitions state; it must not change the math.
     for step in (5, 10, 15, 20):
         assert losses[1][step] == pytest.approx(losses[2][step], abs=1e-4)

@@ -186,9 +186,19 @@ class RunConfig(Section):
     compile: bool | Literal["auto"] = "auto"
     """torch.compile the model (DeepSpeed's engine.compile()) when each worker builds its engine; auto = on GPUs
     at ZeRO stage 0 or 1 (+18% at stage 1 on an H100; no gain measured at stage 2), off on CPUs."""
+    profile_steps: list[int] = []
+    """[first, last]: profile these optimizer steps with torch.profiler on every rank (a Chrome trace each in
+    <run>/profile/; rank 0 prints the top ops and how busy the device was); [] = no profiling."""
     lease_stale_after_s: float = Field(300.0, ge=10.0)
     """A run is refused while another driver holds its lease (<run>/lease.json); a lease without
     heartbeat for this long, or held by a process of this host that has exited, is taken over."""
+
+    @field_validator("profile_steps")
+    @classmethod
+    def _step_range(cls, steps: list[int]) -> list[int]:
+        if steps and not (len(steps) == 2 and 1 <= steps[0] <= steps[1]):
+            raise ValueError("must be [] or [first, last] with 1 <= first <= last")
+        return steps
 
 
 class CostConfig(Section):

@@ -18,6 +18,7 @@ import ray.train
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
+from torch.profiler import record_function
 
 from train import checkpoint, storage
 from train.checkpoint_writer import BackgroundWriter
@@ -32,6 +33,7 @@ from train.loader import SampleOrder, micro_batch_samples
 from train.memory import plan_memory, worker_capacity_bytes
 from train.metrics import format_progress, memory_gb, peak_tflops
 from train.model import GPT, flops_per_token
+from train.profiling import StepProfiler
 from train.run_files import JsonlLog
 from train.schedule import lr_at
 from train.schema import replace
@@ -172,6 +174,7 @@ class Trainer:
         self.save_seconds = 0.0  # from the start of the latest checkpoint until it counted
         self.pending: checkpoint.PendingCheckpoint | None = None  # a checkpoint being written, at most one
         self.stall_seconds = 0.0  # the training thread's time in the pending checkpoint
+        self.profiler = StepProfiler(cfg.run.profile_steps, self.run_uri, self.rank, self.engine.device)
 
     def _restore(self) -> dict[str, Any] | None:
         """Build the engine and load the newest complete checkpoint into it; returns that checkpoint."""
@@ -243,7 +246,8 @@ class Trainer:
 
     def run(self) -> None:
         while self.step < self.cfg.optim.max_steps:
-            my_rows, loss, seconds = self._train_step()
+            with self.profiler.step(self.step + 1):
+                my_rows, loss, seconds = self._train_step()
             self._after_step(my_rows, loss, seconds)
         if self.sample_log:
             self.sample_log.flush()
@@ -270,9 +274,13 @@ class Trainer:
             my_rows.append(rows)
             # Dropout masks depend on (seed, step, rank) only, so a resumed run draws the same ones.
             torch.manual_seed(hash((self.cfg.run.seed, step, micro_step, self.rank)) % 2**63)
-            _, loss = engine(*_to_batch(self.train_rows[rows], engine.device))
-            engine.backward(loss)
-            engine.step()
+            # Named phases for run.profile_steps' traces (a no-op when not profiling).
+            with record_function("forward"):
+                _, loss = engine(*_to_batch(self.train_rows[rows], engine.device))
+            with record_function("backward"):
+                engine.backward(loss)
+            with record_function("optimizer_step"):
+                engine.step()
             step_loss += loss.detach() / self.grad_accum
         self.step += 1
         return np.concatenate(my_rows), step_loss, time.time() - start
