@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 10's checks on one GPU, one part per call (each fits a 10-minute call on an H100):
-#   bash bench/gpu_checks.sh tests|p7|p3|p3-medium|p1
+#   bash bench/gpu_checks.sh tests|p7|p3|p3-medium|p1|zero
 # For the lent GPU machine first run, here,
 #   SERVE=1 EXTRA_WHEELS="torchao==0.18.0 pytest pluggy iniconfig pygments psutil" ../shared/gpu/bundle.sh
 # (62 MB, under the 64 MiB a call may carry) and carry .gpu-wheels along: this script installs them (that
@@ -31,5 +31,12 @@ case ${1:-} in
   p3) run p3_small python bench/p3_mfu.py --steps 30 ;;
   p3-medium) run p3_medium python bench/p3_mfu.py --config medium --steps 20 ;;
   p1) run p1_gpu python bench/p3_mfu.py --steps 30 --set deepspeed.zero_stage=0 --set run.compile=false ;;
-  *) echo "usage: bash bench/gpu_checks.sh tests|p7|p3|p3-medium|p1" >&2; exit 2 ;;
+  # Why ZeRO-2/3 are slower than ZeRO-1 on one GPU: each stage on the small model, same micro-batch, not
+  # compiled, with raywright's gradient buckets and with d_model^2 ones; the top ops of a profiled step each.
+  zero)
+    run zero python bench/zero_buckets.py --config small --stages 0 1 2 3 --rounds 1 --steps 15 --profile \
+      --set scaling.num_workers=1 --set optim.micro_batch_size=8 --set optim.global_batch_size=32 --set run.compile=false
+    grep -A 20 "profile of steps" "$out/zero.log" | sed -E 's/^.*\(RayTrainWorker[^)]*\)[^ ]* //' | cut -c1-150
+    grep -E '"(zero[0-3]|raywright_over_hf_auto)"|^ +[0-9.]+,?$' "$out/zero.log" ;;
+  *) echo "usage: bash bench/gpu_checks.sh tests|p7|p3|p3-medium|p1|zero" >&2; exit 2 ;;
 esac

@@ -1,13 +1,22 @@
 """The DeepSpeed config and engine builder: the config from a recipe, compile's default, and what it does on GPU
 images DeepSpeed cannot build its ops on."""
 
+import math
+
 import deepspeed
 import pytest
 import torch
 
 from train.config import load_config
-from train.ds_config import build_ds_config, build_engine, compiles, cuda_arch_list_for_deepspeed
+from train.ds_config import (
+    build_ds_config,
+    build_engine,
+    compiles,
+    cuda_arch_list_for_deepspeed,
+    reduce_bucket_elements,
+)
 from train.model import GPT
+from train.schema import replace
 
 
 @pytest.mark.unit
@@ -21,6 +30,23 @@ def test_ds_config_from_recipe_and_raw_json_override(tmp_path):
     assert ds["zero_optimization"]["stage3_param_persistence_threshold"] == 10 * cfg.model.d_model
     assert ds["gradient_clipping"] == 0.5
     assert build_ds_config(cfg, world_size=1)["gradient_accumulation_steps"] == 2
+
+
+@pytest.mark.unit
+def test_zero_reduces_gradients_in_buckets_of_a_quarter_of_the_weights_each_worker_holds():
+    cfg = load_config("small", ["optim.micro_batch_size=8"])
+    params = GPT(cfg.model).num_params()
+
+    def bucket(stage: int, world_size: int) -> int:
+        zero = build_ds_config(replace(cfg, deepspeed=replace(cfg.deepspeed, zero_stage=stage)), world_size)
+        return zero["zero_optimization"].get("reduce_bucket_size", 0)
+
+    assert bucket(0, 1) == 0  # stage 0 reduces no buckets of its own
+    assert bucket(1, 4) == bucket(2, 1) == math.ceil(params / 4)  # every worker holds every weight
+    assert bucket(3, 4) == math.ceil(params / 16)  # a shard of them
+    assert bucket(3, 60) == cfg.model.d_model**2  # never below Hugging Face's auto value
+    large = load_config("small", ["model.d_model=4096", "model.n_layer=32", "model.n_head=32"])  # ~6.4B
+    assert reduce_bucket_elements(large.model, 2, 1) == 5e8  # nor above DeepSpeed's default
 
 
 @pytest.mark.unit

@@ -8,7 +8,8 @@ bench/p2_zero_memory.py measures. ZeRO stage 1 shards the optimizer's part over 
 fp32 too, DeepSpeed then keeps an fp32 master partition beside the weights), stage 2 the gradients
 too, stage 3 the weights too, except the small parameters DeepSpeed keeps whole on every rank
 (``stage3_param_persistence_threshold``, set in train/ds_config.py). Stage 1 is counted with whole
-gradients: they accumulate whole until the step's last backward pass reduces them.
+gradients: they accumulate whole until the step's last backward pass reduces them. Stages 1-3 add
+the gradient bucket that ZeRO reduces from (``reduce_bucket_size``, also set in train/ds_config.py).
 
 Activations per micro-batch follow Korthikanti et al. (2022, "Reducing Activation Recomputation")
 with fused attention (no seq x seq scores): about 17 values of the residual width per token per
@@ -30,8 +31,8 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from train.batching import failing_world_sizes
 from train.config import TrainConfig, config_from_dict
-from train.ds_config import build_engine, persistence_threshold
-from train.model import GPT
+from train.ds_config import build_engine, persistence_threshold, reduce_bucket_elements
+from train.model import GPT, param_sizes
 from train.schema import ConfigError
 
 HEADROOM = 0.85
@@ -71,7 +72,7 @@ def model_state_bytes(cfg: TrainConfig, stage: int, world_size: int) -> int:
     weight = 4 if cfg.deepspeed.precision == "fp32" else 2
     fp32_without_master = cfg.deepspeed.precision == "fp32" and stage == 0
     optimizer = 8 if fp32_without_master else 12  # the moments, and fp32 master weights
-    sizes = _param_sizes(cfg)
+    sizes = param_sizes(cfg.model)
     params = sum(sizes)
     sharded = {0: 0, 1: optimizer, 2: optimizer + weight, 3: optimizer + 2 * weight}[stage]
     whole = optimizer + 2 * weight - sharded
@@ -79,6 +80,8 @@ def model_state_bytes(cfg: TrainConfig, stage: int, world_size: int) -> int:
     if stage == 3:  # persistent parameters keep their weight and gradient whole on every rank
         persistent = sum(n for n in sizes if n <= persistence_threshold(cfg.model.d_model))
         total += persistent * 2 * weight * (1 - 1 / world_size)
+    if stage >= 1:  # the gradient bucket that ZeRO reduces from
+        total += reduce_bucket_elements(cfg.model, stage, world_size) * weight
     return int(total)
 
 
@@ -211,8 +214,3 @@ def _held_tensor_bytes(*roots) -> int:
         elif type(obj).__module__.startswith(("deepspeed.runtime", "torch.optim", "deepspeed.ops")):
             stack += list(vars(obj).values())
     return total
-
-
-def _param_sizes(cfg: TrainConfig) -> list[int]:
-    with torch.device("meta"):  # shapes only: no memory, no initialization
-        return [p.numel() for p in GPT(cfg.model).parameters()]

@@ -151,6 +151,12 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
+def param_sizes(cfg: ModelConfig) -> list[int]:
+    """Elements of each parameter of the model ``cfg`` describes, without building its weights."""
+    with torch.device("meta"):  # shapes only: no memory, no initialization
+        return [p.numel() for p in GPT(cfg).parameters()]
+
+
 def flops_per_token(cfg: ModelConfig) -> float:
     """Training FLOPs per token: 6 per weight (forward + backward) plus attention scores.
 
