@@ -8,7 +8,7 @@ come from the run's report stamps, the first report's window (start-up, compilat
 both must be the same: a bucket changes how gradients are batched into collectives, not their sums.
 ``--profile`` adds an untimed run per stage that profiles steps (run.profile_steps): rank 0 prints the top ops.
 On one GPU: ``--config small --set scaling.num_workers=1 --set optim.micro_batch_size=8 --set
-optim.global_batch_size=32 --set run.compile=false --stages 0 1 2 3`` (bench/gpu_checks.sh zero).
+optim.global_batch_size=32 --set run.compile=false --stages 1 2 3`` (bench/gpu_checks.sh zero).
 """
 
 import argparse
