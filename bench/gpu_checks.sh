@@ -34,7 +34,7 @@ case ${1:-} in
   # Why ZeRO-2/3 are slower than ZeRO-1 on one GPU: stages 1-3 on the small model, same micro-batch, not
   # compiled, with raywright's gradient buckets and with d_model^2 ones; the top ops of a profiled step each.
   zero)
-    run zero python bench/zero_buckets.py --config small --stages 1 2 3 --rounds 1 --steps 15 --profile \
+    run zero python bench/zero_buckets.py --config small --stages 1 2 3 --rounds 1 --steps 20 --profile \
       --set scaling.num_workers=1 --set optim.micro_batch_size=8 --set optim.global_batch_size=32 --set run.compile=false
     grep -A 20 "profile of steps" "$out/zero.log" | sed -E 's/^.*\(RayTrainWorker[^)]*\)[^ ]* //' | cut -c1-150
     grep -E '"(zero[0-3]|raywright_over_hf_auto)"|^ +[0-9.]+,?$' "$out/zero.log" ;;

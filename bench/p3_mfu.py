@@ -29,7 +29,7 @@ from train.ds_config import compiles
 from train.export import load_exported
 from train.launch import ensure_dataset, init_ray, run_training, run_uri
 from train.memory import activation_bytes, model_state_bytes
-from train.metrics import peak_tflops, read_metrics
+from train.metrics import peak_tflops, read_metrics, steady_step_seconds
 from train.model import GPT, flops_per_token
 from train.schedule import lr_at
 
@@ -92,8 +92,7 @@ def main() -> None:
 
     summary = run_training(cfg)
     reports = [m for m in read_metrics(run_uri(cfg)) if "loss" in m][:-1]  # the last includes the export
-    timed = reports[1:]  # the first report's window holds the compilation
-    raywright = (timed[-1]["time"] - timed[0]["time"]) / (timed[-1]["step"] - timed[0]["step"])
+    raywright = steady_step_seconds(run_uri(cfg))
     chosen = config_from_dict(load_exported(summary.export).provenance["config"])  # the autos resolved
     compiled = compiles(chosen)
     bare = [bare_step_seconds(chosen, rows, args.steps, compiled) for _ in range(2)]

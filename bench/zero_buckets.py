@@ -4,8 +4,8 @@ worker holds, train/ds_config.py) over those with Hugging Face's auto value (d_m
     python bench/zero_buckets.py [--config tiny] [--stages 2 3] [--rounds 2] [--steps 30] [--profile] [--set K=V]
 
 Per stage, rounds alternate the two sizes; the figure is the median over rounds of the ratio. Seconds per step
-come from the run's report stamps, the first report's window (start-up, compilation) left out. The losses of
-both must be the same: a bucket changes how gradients are batched into collectives, not their sums.
+come from the run's report stamps, the first and last reports' windows left out (``steady_step_seconds``).
+The losses of both must be the same: a bucket changes how gradients are batched into collectives, not their sums.
 ``--profile`` adds an untimed run per stage that profiles steps (run.profile_steps): rank 0 prints the top ops.
 On one GPU: ``--config small --set scaling.num_workers=1 --set optim.micro_batch_size=8 --set
 optim.global_batch_size=32 --set run.compile=false --stages 1 2 3`` (bench/gpu_checks.sh zero).
@@ -20,15 +20,11 @@ import numpy as np
 
 from train.config import load_config
 from train.launch import ensure_dataset, init_ray, run_training, run_uri
-from train.metrics import read_metrics
+from train.metrics import read_metrics, steady_step_seconds
 
 
-def seconds_per_step(cfg) -> tuple[float, dict[int, float]]:
-    reports = [m for m in read_metrics(run_uri(cfg)) if "loss" in m]
-    timed = reports[1:]
-    return (timed[-1]["time"] - timed[0]["time"]) / (timed[-1]["step"] - timed[0]["step"]), {
-        m["step"]: m["loss"] for m in reports
-    }
+def losses_by_step(cfg) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in read_metrics(run_uri(cfg)) if "loss" in m}
 
 
 def main() -> None:
@@ -71,8 +67,8 @@ def main() -> None:
                     overrides.append(f"deepspeed.config_file={hf_auto}")
                 run = load_config(args.config, overrides)
                 run_training(run)
-                step_s, losses[variant] = seconds_per_step(run)
-                seconds[variant].append(step_s)
+                seconds[variant].append(steady_step_seconds(run_uri(run)))
+                losses[variant] = losses_by_step(run)
             if len(losses) == 2:
                 loss_gap = max(loss_gap, *(abs(a - losses["hf_auto"][s]) for s, a in losses["raywright"].items()))
         if args.profile:  # a run of its own: the profiler slows the steps it records

@@ -150,8 +150,8 @@ def reduce_bucket_elements(model: ModelConfig, stage: int, world_size: int) -> i
 
     Each bucket is a collective plus DeepSpeed's bookkeeping (on a GPU, launches), the same cost whatever its
     size. At Hugging Face's auto value (d_model^2) the small model's backward reduced ~220 buckets per
-    micro-batch, this size 4. On the CPU (tiny model, 2 workers, bench/zero_buckets.py) ZeRO-3 steps took 9%
-    less time, ZeRO-2 steps the same, losses unchanged. Its buffer holds the bucket at the weights' precision
+    micro-batch, this size 4. On the CPU (tiny model, 2 workers, bench/zero_buckets.py) ZeRO-3 steps took 7%
+    less time, ZeRO-2 steps 2% (within noise), losses unchanged. Its buffer holds the bucket at the weights' precision
     (train/memory.py counts it): at stage 3 it shrinks with the workers as the weights' shards do.
     """
     held = sum(param_sizes(model)) / (world_size if stage == 3 else 1)

@@ -105,3 +105,10 @@ class MetricsRecorder(UserCallback):
 
 def read_metrics(run_uri: str) -> list[dict[str, Any]]:
     return read_jsonl(storage.join(run_uri, METRICS))
+
+
+def steady_step_seconds(run_uri: str) -> float:
+    """Seconds per optimizer step of a finished run, from its training reports' wall-clock stamps, leaving out
+    the first report's window (start-up, compilation) and the last's (the final evaluation and save)."""
+    reports = [m for m in read_metrics(run_uri) if "loss" in m][1:-1]
+    return (reports[-1]["time"] - reports[0]["time"]) / (reports[-1]["step"] - reports[0]["step"])
