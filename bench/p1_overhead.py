@@ -5,8 +5,10 @@
 Both train the same GPT on the same prepared data with one thread, fp32, the recipe's
 global and micro batch (gradient accumulation included) and gradient clipping. The bare loop
 runs before and after raywright and is averaged. raywright's time per step comes from the
-wall-clock stamps of its own reports between the first and the last training report, so it
-includes everything the loop does per step (sample order, reports, metrics), not start-up.
+wall-clock stamps of its own reports (``steady_step_seconds``: the first report's window, start-up
+and warm-up, and the last's, the final evaluation and save, left out), so it includes everything
+the loop does per step (sample order, reports, metrics); the bare loop leaves out the same
+warm-up steps.
 The machine is shared and noisy: rounds alternate bare, raywright, bare, ... and P1 is the
 median over rounds of raywright / the mean of the bare runs around it.
 """
@@ -22,12 +24,13 @@ import torch
 from train.config import load_config
 from train.data import load_split
 from train.launch import ensure_dataset, init_ray, run_training, run_uri
-from train.metrics import read_metrics
+from train.metrics import steady_step_seconds
 from train.model import GPT
 from train.schedule import lr_at
 
 
-def bare_loop_step_time(cfg, rows: np.ndarray, steps: int) -> float:
+def bare_loop_step_time(cfg, rows: np.ndarray, steps: int, warmup: int) -> float:
+    """Seconds per step over ``steps`` steps after ``warmup`` untimed ones."""
     torch.set_num_threads(1)
     torch.manual_seed(cfg.run.seed)
     model = GPT(cfg.model)
@@ -35,8 +38,9 @@ def bare_loop_step_time(cfg, rows: np.ndarray, steps: int) -> float:
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     accum = o.global_batch_size // o.micro_batch_size
     tokens = torch.from_numpy(rows[: o.global_batch_size].astype(np.int64))
-    start = time.perf_counter()
-    for step in range(steps):
+    for step in range(warmup + steps):
+        if step == warmup:
+            start = time.perf_counter()
         for group in opt.param_groups:
             group["lr"] = lr_at(step, o)
         for k in range(accum):
@@ -74,14 +78,15 @@ def main() -> None:
     data_path, _ = ensure_dataset(cfg)
     rows = load_split(data_path, "train")
 
-    bare = [bare_loop_step_time(cfg, rows, args.steps)]
+    # raywright's timed window: from its first report after step 1 to its last before the final one.
+    warmup, timed = cfg.run.log_every, args.steps - 2 * cfg.run.log_every
+    bare = [bare_loop_step_time(cfg, rows, timed, warmup)]
     raywright = []
     for round_index in range(args.rounds):
         cfg.run.name = f"p1-{round_index}"
         run_training(cfg)
-        reports = [m for m in read_metrics(run_uri(cfg)) if "loss" in m][:-1]  # the last includes the save
-        raywright.append((reports[-1]["time"] - reports[0]["time"]) / (reports[-1]["step"] - reports[0]["step"]))
-        bare.append(bare_loop_step_time(cfg, rows, args.steps))
+        raywright.append(steady_step_seconds(run_uri(cfg)))
+        bare.append(bare_loop_step_time(cfg, rows, timed, warmup))
     ratios = [r / ((bare[i] + bare[i + 1]) / 2) for i, r in enumerate(raywright)]
     result = {
         "P1": float(np.median(ratios)),

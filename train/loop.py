@@ -272,8 +272,11 @@ class Trainer:
             )
             rows = self.order.rows(samples)
             my_rows.append(rows)
-            # Dropout masks depend on (seed, step, rank) only, so a resumed run draws the same ones.
-            torch.manual_seed(hash((self.cfg.run.seed, step, micro_step, self.rank)) % 2**63)
+            if self.cfg.model.dropout:  # the step's only random draws
+                # Masks depend on (seed, step, rank) only, so a resumed run draws the same ones. Not seeded
+                # without dropout: on a machine without CUDA each call queues a CUDA seeding with its stack
+                # trace (0.2 ms a call from a Ray worker's deep stack).
+                torch.manual_seed(hash((self.cfg.run.seed, step, micro_step, self.rank)) % 2**63)
             # Named phases for run.profile_steps' traces (a no-op when not profiling).
             with record_function("forward"):
                 _, loss = engine(*_to_batch(self.train_rows[rows], engine.device))
