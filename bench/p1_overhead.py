@@ -11,15 +11,22 @@ the loop does per step (sample order, reports, metrics); the bare loop leaves ou
 warm-up steps.
 The machine is shared and noisy: rounds alternate bare, raywright, bare, ... and P1 is the
 median over rounds of raywright / the mean of the bare runs around it.
+
+Each round also runs the bare loop as the train function of a plain one-worker Ray Train run:
+raywright over that is raywright's own cost, that over the bare loop Ray Train's (its worker
+process, the controller and actors beside it).
 """
 
 import argparse
 import json
+import os
 import tempfile
 import time
 
 import numpy as np
 import torch
+from ray.train import RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
 
 from train.config import load_config
 from train.data import load_split
@@ -54,6 +61,20 @@ def bare_loop_step_time(cfg, rows: np.ndarray, steps: int, warmup: int) -> float
     return (time.perf_counter() - start) / steps
 
 
+def bare_loop_in_ray_train_step_time(cfg, rows: np.ndarray, steps: int, warmup: int) -> float:
+    """``bare_loop_step_time`` in the worker of a one-worker, one-CPU Ray Train run on this machine."""
+    out = os.path.join(cfg.run.storage_path, f"{cfg.run.name}-bare-in-ray-train.json")
+
+    def train_fn() -> None:
+        with open(out, "w") as f:  # the bench runs on one machine: the driver reads the worker's file
+            json.dump(bare_loop_step_time(cfg, rows, steps, warmup), f)
+
+    scaling = ScalingConfig(num_workers=1, resources_per_worker={"CPU": 1})
+    TorchTrainer(train_fn, scaling_config=scaling, run_config=RunConfig(storage_path=cfg.run.storage_path)).fit()
+    with open(out) as f:
+        return json.load(f)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=60)
@@ -81,17 +102,22 @@ def main() -> None:
     # raywright's timed window: from its first report after step 1 to its last before the final one.
     warmup, timed = cfg.run.log_every, args.steps - 2 * cfg.run.log_every
     bare = [bare_loop_step_time(cfg, rows, timed, warmup)]
-    raywright = []
+    raywright, in_ray_train = [], []
     for round_index in range(args.rounds):
         cfg.run.name = f"p1-{round_index}"
         run_training(cfg)
         raywright.append(steady_step_seconds(run_uri(cfg)))
+        in_ray_train.append(bare_loop_in_ray_train_step_time(cfg, rows[: cfg.optim.global_batch_size], timed, warmup))
         bare.append(bare_loop_step_time(cfg, rows, timed, warmup))
-    ratios = [r / ((bare[i] + bare[i + 1]) / 2) for i, r in enumerate(raywright)]
+    bare_around = [(bare[i] + bare[i + 1]) / 2 for i in range(args.rounds)]
+    ratios = [r / b for r, b in zip(raywright, bare_around, strict=True)]
     result = {
         "P1": float(np.median(ratios)),
         "ratios": ratios,
+        "raywright_over_bare_in_ray_train": float(np.median(np.divide(raywright, in_ray_train))),
+        "bare_in_ray_train_over_bare": float(np.median(np.divide(in_ray_train, bare_around))),
         "raywright_step_s": raywright,
+        "bare_in_ray_train_step_s": in_ray_train,
         "bare_step_s": bare,
         "model": vars(cfg.model),
         "global_batch": cfg.optim.global_batch_size,
