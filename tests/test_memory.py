@@ -15,6 +15,7 @@ from train.memory import (
     micro_batch_candidates,
     model_state_bytes,
     plan_memory,
+    value_bytes,
 )
 from train.model import GPT
 from train.schema import ConfigError
@@ -131,10 +132,10 @@ def test_the_estimate_matches_what_deepspeed_engines_hold(ray_session):
         for stage in (0, 1, 2, 3)
     ]
     for cfg, held in zip(configs, measure_on_workers(configs, workers=2), strict=True):
-        stage, weight = cfg.deepspeed.zero_stage, 4 if cfg.deepspeed.precision == "fp32" else 2
+        stage = cfg.deepspeed.zero_stage
         # Stages 1-2 hold their gradient bucket through each backward pass (the peak the estimate is for) and free
         # it before the moment measured.
-        transient = reduce_bucket_elements(cfg.model, stage, 2) * weight if stage in (1, 2) else 0
+        transient = reduce_bucket_elements(cfg.model, stage, 2) * value_bytes(cfg) if stage in (1, 2) else 0
         estimate = model_state_bytes(cfg, stage, 2) - transient
         where = f"{cfg.deepspeed.precision} stage {cfg.deepspeed.zero_stage}: {estimate} estimated, {held:.0f} held"
         if cfg.deepspeed.zero_stage == 1:  # whole gradients counted: an upper bound of what is held after reduction

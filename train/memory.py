@@ -67,9 +67,14 @@ class MemoryPlan:
         )
 
 
+def value_bytes(cfg: TrainConfig) -> int:
+    """Bytes of one weight, gradient or activation value at the run's training precision."""
+    return 4 if cfg.deepspeed.precision == "fp32" else 2
+
+
 def model_state_bytes(cfg: TrainConfig, stage: int, world_size: int) -> int:
     """Bytes of weights, gradients and optimizer state each of ``world_size`` workers holds at ``stage``."""
-    weight = 4 if cfg.deepspeed.precision == "fp32" else 2
+    weight = value_bytes(cfg)
     fp32_without_master = cfg.deepspeed.precision == "fp32" and stage == 0
     optimizer = 8 if fp32_without_master else 12  # the moments, and fp32 master weights
     sizes = param_sizes(cfg.model)
@@ -87,8 +92,7 @@ def model_state_bytes(cfg: TrainConfig, stage: int, world_size: int) -> int:
 
 def activation_bytes(cfg: TrainConfig, micro_batch: int) -> int:
     """Peak bytes of the activations and logits of a micro-batch of ``micro_batch`` sequences through the backward."""
-    m = cfg.model
-    value = 4 if cfg.deepspeed.precision == "fp32" else 2
+    m, value = cfg.model, value_bytes(cfg)
     tokens = micro_batch * m.seq_len
     layers = 17 * value * tokens * m.d_model * m.n_layer
     logits = tokens * m.vocab_size * (2 * value + 8)  # logits, their gradient, the float32 loss input and its grad
