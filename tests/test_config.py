@@ -4,7 +4,7 @@ import pytest
 
 from serve.config import ServeConfig
 from train.config import TrainConfig, load_config, recipe_names
-from train.launch import set_ray_train_env
+from train.launch import set_ray_train_env, train_worker_env
 from train.schema import ConfigError, fields_help
 from tune.config import SweepConfig
 
@@ -106,6 +106,10 @@ def test_raywright_env_defaults_yield_to_the_users(monkeypatch):
     set_ray_train_env(load_config("tiny"))
     assert os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] == "99"  # the user's
     assert os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "0.5"  # raywright's default
+
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "4096")
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    assert train_worker_env() == {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": "4096"}
 
 
 def test_raywright_storage_is_the_default_storage_path(monkeypatch):

@@ -34,6 +34,12 @@ ELASTIC_SUMMARY = "elastic_summary.json"
 # One progress line per report in the terminal, without Ray Train's echo of every report.
 RAY_TRAIN_LOGGING_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_TRAIN_ENABLE_WORKER_STRUCTURED_LOGGING": "0"}
 
+# glibc malloc, fixed for a training step. Its default mmap threshold drifts as blocks are freed, and
+# a heap gives memory back to the OS past 128 KiB free, so a worker's training thread faulted in fresh
+# pages for each step's activations: 0.2-2k page faults a step on the CPU, at 2.5 us each (P1 in
+# BENCHMARKS.md). With fixed thresholds a step reuses what the last one freed. Other allocators ignore these.
+TRAIN_WORKER_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
+
 
 @dataclass
 class RunSummary:
@@ -136,6 +142,11 @@ def set_ray_train_env(cfg: TrainConfig) -> None:
         os.environ.setdefault(name, value)
 
 
+def train_worker_env() -> dict[str, str]:
+    """The environment variables raywright sets in its training workers; a value in the driver's environment wins."""
+    return {name: os.environ.get(name, value) for name, value in TRAIN_WORKER_MALLOC_ENV.items()}
+
+
 def run_uri(cfg: TrainConfig) -> str:
     """The run's directory (local, absolute) or URI: its checkpoints, export, metrics and lease."""
     return storage.absolute(storage.join(cfg.run.storage_path, cfg.run.name))
@@ -179,6 +190,7 @@ def build_trainer(
             # Pre-emptions are routine on spot nodes: unlimited; real failures are bounded.
             failure_config=FailureConfig(max_failures=scaling.max_failures, max_preemption_failures=-1),
             callbacks=[MetricsRecorder(run_uri(cfg), cfg.optim.max_steps), *callbacks],
+            worker_runtime_env={"env_vars": train_worker_env()},  # read at a worker process's start
         ),
         torch_config=TorchConfig(backend="nccl" if scaling.use_gpu else "gloo"),
     )
