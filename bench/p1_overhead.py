@@ -37,14 +37,14 @@ from train.schedule import lr_at
 
 
 def bare_loop_step_time(cfg, rows: np.ndarray, steps: int, warmup: int) -> float:
-    """Seconds per step over ``steps`` steps after ``warmup`` untimed ones."""
+    """Seconds per step over ``steps`` steps after ``warmup`` untimed ones, each on the global batch ``rows``."""
     torch.set_num_threads(1)
     torch.manual_seed(cfg.run.seed)
     model = GPT(cfg.model)
     o = cfg.optim
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     accum = o.global_batch_size // o.micro_batch_size
-    tokens = torch.from_numpy(rows[: o.global_batch_size].astype(np.int64))
+    tokens = torch.from_numpy(rows.astype(np.int64))
     for step in range(warmup + steps):
         if step == warmup:
             start = time.perf_counter()
@@ -97,7 +97,7 @@ def main() -> None:
     cfg = load_config("tiny", overrides)
     init_ray(cfg)
     data_path, _ = ensure_dataset(cfg)
-    rows = load_split(data_path, "train")
+    rows = load_split(data_path, "train")[: cfg.optim.global_batch_size]  # the one batch every bare step trains on
 
     # raywright's timed window: from its first report after step 1 to its last before the final one.
     warmup, timed = cfg.run.log_every, args.steps - 2 * cfg.run.log_every
@@ -107,7 +107,7 @@ def main() -> None:
         cfg.run.name = f"p1-{round_index}"
         run_training(cfg)
         raywright.append(steady_step_seconds(run_uri(cfg)))
-        in_ray_train.append(bare_loop_in_ray_train_step_time(cfg, rows[: cfg.optim.global_batch_size], timed, warmup))
+        in_ray_train.append(bare_loop_in_ray_train_step_time(cfg, rows, timed, warmup))
         bare.append(bare_loop_step_time(cfg, rows, timed, warmup))
     bare_around = [(bare[i] + bare[i + 1]) / 2 for i in range(args.rounds)]
     ratios = [r / b for r, b in zip(raywright, bare_around, strict=True)]
