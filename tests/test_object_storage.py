@@ -92,6 +92,7 @@ def test_a_run_in_a_bucket_survives_its_driver_killed_resumes_at_another_size_an
     final = checkpoint.latest_complete(run_uri)
     assert (final["step"], final["world_size"]) == (MAX_STEPS, 1)
     assert storage.list_dir(f"{run_uri}/{checkpoint.CHECKPOINTS}") == [os.path.basename(final["uri"])]  # keep_last 1
+    assert not os.path.exists(checkpoint.download_dir(killed_at["uri"]))  # the node's download, gone once loaded
 
     # Side files are in the bucket, both drivers' reports in one metrics file; nothing is left on the driver's disk.
     steps = [m["step"] for m in read_metrics(run_uri) if "loss" in m]

@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,16 +162,31 @@ def prune(run_uri: str, keep_last: int) -> None:
             storage.delete_dir(uri)
 
 
-def _local_dir(uri: str) -> str:
-    """A local directory holding the checkpoint at ``uri``: itself, or a per-node download (a collective)."""
+def download_dir(uri: str) -> str:
+    """Where a node downloads the checkpoint at ``uri`` (on object storage) to load it."""
+    return os.path.join(tempfile.gettempdir(), "raywright-ckpt", hashlib.sha256(uri.encode()).hexdigest()[:16])
+
+
+@contextlib.contextmanager
+def _local_dir(uri: str) -> Iterator[str]:
+    """A local directory holding the checkpoint at ``uri`` while in use (a collective): itself, or a per-node
+    download, removed once every rank has loaded from it; a node that outlives many resumes would otherwise
+    keep a whole checkpoint from each."""
     if storage.is_local(uri):
-        return storage.resolve(uri)[1]
-    local = os.path.join(tempfile.gettempdir(), "raywright-ckpt", hashlib.sha256(uri.encode()).hexdigest()[:16])
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one download per node
+        yield storage.resolve(uri)[1]
+        return
+    local = download_dir(uri)
+    downloads = int(os.environ.get("LOCAL_RANK", "0")) == 0  # one download per node
+    if downloads:
         shutil.rmtree(local, ignore_errors=True)
         storage.copy_dir(uri, local)
     dist.barrier()
-    return local
+    yield local
+    # Not reached when the load raised: the ranks would not meet here, and the group restarts anyway;
+    # the next download of this checkpoint replaces what is left.
+    dist.barrier()
+    if downloads:
+        shutil.rmtree(local, ignore_errors=True)
 
 
 def needs_universal(checkpoint: dict[str, Any], world_size: int) -> bool:
@@ -236,8 +252,8 @@ def load(engine, checkpoint: dict[str, Any], universal: bool) -> None:
     ``universal``: load the universal conversion (the engine must have been built with
     ``load_universal``); this restores model and optimizer state at any world size.
     """
-    local = _local_dir(checkpoint["uri"])
-    load_dir, tag = (local, UNIVERSAL) if universal else (os.path.dirname(local), os.path.basename(local))
-    load_path, _ = engine.load_checkpoint(load_dir, tag=tag, load_lr_scheduler_states=False)
+    with _local_dir(checkpoint["uri"]) as local:
+        load_dir, tag = (local, UNIVERSAL) if universal else (os.path.dirname(local), os.path.basename(local))
+        load_path, _ = engine.load_checkpoint(load_dir, tag=tag, load_lr_scheduler_states=False)
     if load_path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {checkpoint['uri']}")
