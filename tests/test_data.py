@@ -1,14 +1,16 @@
 import json
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from train.data import list_source, load_manifest, load_split, prepare
+from train.data import COPY_SOURCE, list_source, load_manifest, load_split, prepare
 from train.loader import SampleOrder, micro_batch_samples
 from train.schema import ConfigError
 from train.tokenizer import ByteTokenizer, load_tokenizer
@@ -96,6 +98,32 @@ def test_a_directory_raywright_did_not_write_is_never_overwritten(ray_session, c
     prepare(f"{corpus_dir}/email/**/*.py", str(out), seq_len=16, val_fraction=0.2)
     assert load_manifest(str(out))["seq_len"] == 16
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mycorpus", "prepared"]
+
+
+def test_a_node_local_copy_goes_when_its_dataset_is_deleted_or_prepared_again(tiny_dataset, tmp_path, monkeypatch):
+    node_tmp = tmp_path / "node-tmp"
+    node_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(node_tmp))
+    kept, deleted, again, new = (
+        shutil.copytree(tiny_dataset, tmp_path / name) for name in ("kept", "del", "again", "new")
+    )
+    reading = {path: load_split(str(path), "train") for path in (kept, deleted, again)}
+    copies = node_tmp / "raywright-data"
+
+    def built_from() -> list[str]:
+        return sorted(json.loads((copy / COPY_SOURCE).read_text())["path"] for copy in copies.iterdir())
+
+    assert built_from() == sorted(map(str, (kept, deleted, again)))
+    shutil.rmtree(deleted)
+    manifest = json.loads((again / "manifest.json").read_text())
+    (again / "manifest.json").write_text(json.dumps({**manifest, "documents": manifest["documents"] + 1}))
+
+    load_split(str(new), "train")  # building a copy drops the copies of the datasets that are gone
+
+    assert built_from() == sorted(map(str, (kept, new)))
+    assert np.array_equal(reading[deleted][:4], reading[kept][:4])  # a worker reading a dropped copy reads on
+    assert np.array_equal(load_split(str(again), "train")[:], reading[kept][:])  # rebuilt for its new manifest
+    assert built_from() == sorted(map(str, (kept, again, new)))
 
 
 def test_bad_sources_name_the_problem(ray_session, tmp_path):

@@ -9,11 +9,13 @@ stream is cut into sequences of ``seq_len + 1`` tokens (inputs plus shifted targ
 ``manifest.json`` is written last: a dataset directory without it is incomplete.
 """
 
+import contextlib
 import fcntl
 import fnmatch
 import hashlib
 import json
 import os
+import shutil
 import sys
 import sysconfig
 import tempfile
@@ -34,6 +36,7 @@ from train.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer, save_to
 MANIFEST = "manifest.json"
 PREPARING = ".raywright-dataset"  # written first: a directory holding it is raywright's to replace
 SPLITS = ("train", "val")
+COPY_SOURCE = "source.json"  # in a node-local copy of a split: the dataset it was built from
 
 
 def default_source() -> str:
@@ -279,25 +282,55 @@ def load_split(path: str, split: str) -> SplitRows:
 
 
 def _node_local_split(path: str, split: str, manifest: dict) -> str:
-    """The split's tokens as one flat uint16 file on this node, keyed by the dataset's location and identity."""
-    key = hashlib.sha256(f"{storage.absolute(path)}\n{manifest_sha256(manifest)}".encode()).hexdigest()[:16]
-    cache = os.path.join(tempfile.gettempdir(), "raywright-data", key)
+    """The split's tokens as one flat uint16 file on this node, keyed by the dataset's location and identity.
+
+    Building one first drops the copies whose dataset is gone (deleted, or prepared again): each is as
+    large as its dataset's tokens, and nothing else would ever remove them.
+    """
+    source, identity = storage.absolute(path), manifest_sha256(manifest)
+    copies = os.path.join(tempfile.gettempdir(), "raywright-data")
+    cache = os.path.join(copies, hashlib.sha256(f"{source}\n{identity}".encode()).hexdigest()[:16])
     local = os.path.join(cache, f"{split}.u16")
     os.makedirs(cache, exist_ok=True)
     with open(os.path.join(cache, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the workers of a node build it once, the others wait for it
         if not os.path.exists(local):
+            _drop_orphaned_copies(copies)
+            with open(os.path.join(cache, COPY_SOURCE), "w") as record:
+                json.dump({"path": source, "manifest_sha256": identity}, record)
             fs, root = storage.resolve(path)
             staging = f"{local}.{os.getpid()}.tmp"
             with open(staging, "wb") as out:
                 for shard in manifest[split]["shards"]:
-                    with fs.open_input_file(f"{root}/{shard}") as source:
-                        for batch in pq.ParquetFile(source).iter_batches(batch_size=8192, columns=["tokens"]):
+                    with fs.open_input_file(f"{root}/{shard}") as source_file:
+                        for batch in pq.ParquetFile(source_file).iter_batches(batch_size=8192, columns=["tokens"]):
                             out.write(
                                 batch.column("tokens").flatten().to_numpy().astype(np.uint16, copy=False).tobytes()
                             )
             os.replace(staging, local)  # complete, or not there
     return local
+
+
+def _drop_orphaned_copies(copies: str) -> None:
+    """Delete the node-local copies whose dataset no longer holds the manifest they were built from.
+
+    A copy another process is building (its lock held) is left, as is one whose dataset cannot be reached
+    now (storage down, credentials expired): it may come back. A worker still reading a dropped copy
+    keeps reading it, through the file it has open.
+    """
+    for name in os.listdir(copies):
+        cache = os.path.join(copies, name)
+        try:
+            with open(os.path.join(cache, COPY_SOURCE)) as record:
+                built_from = json.load(record)
+            manifest = load_manifest(built_from["path"])
+        except (OSError, ValueError, KeyError):  # no record yet, or the dataset cannot be read now
+            continue
+        if manifest is not None and manifest_sha256(manifest) == built_from["manifest_sha256"]:
+            continue
+        with contextlib.suppress(OSError), open(os.path.join(cache, ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while another process builds it
+            shutil.rmtree(cache, ignore_errors=True)
 
 
 @config_errors_exit_2
