@@ -1,10 +1,17 @@
-"""Checkpoint bookkeeping that must never lose the last good checkpoint (no Ray, no DeepSpeed engine)."""
+"""Checkpoint bookkeeping that must never lose the last good checkpoint, nor leave a node's disk filling (no Ray)."""
 
 import json
+import time
+from pathlib import Path
 
 import pytest
 
 from train import checkpoint, storage
+from train.checkpoint_writer import BackgroundWriter
+from train.config import load_config
+from train.ds_config import build_engine
+from train.model import GPT
+from train.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.unit
 
@@ -46,3 +53,21 @@ def test_metadata_is_written_whole_or_not_at_all(tmp_path):
     storage.write_json(str(target), {"step": 2})
     assert json.loads(target.read_text()) == {"step": 2}
     assert [p.name for p in tmp_path.iterdir()] == ["metadata.json"]  # no temporary left behind
+
+
+def test_a_remote_runs_checkpoint_clears_the_shards_a_killed_upload_left_on_the_node(process_group, s3_bucket):
+    cfg = load_config("tiny")
+    engine = build_engine(cfg, GPT(cfg.model), world_size=1)
+    engine.checkpoint_engine = BackgroundWriter()
+    run_uri = f"{s3_bucket}/staging-{time.time_ns()}"
+    staging = Path(checkpoint.staging_root(run_uri))
+    left = staging / "killed-mid-upload"  # a worker of this run was killed while it uploaded
+    left.mkdir(parents=True)
+    (left / "optim_states.pt").write_bytes(b"shards" * 1000)
+
+    pending = checkpoint.begin_save(engine, run_uri, 5, {"world_size": 1})
+    assert checkpoint.written(pending, wait=True)
+    checkpoint.finish_save(pending, keep_last=2, tokenizer=ByteTokenizer())
+
+    assert checkpoint.latest_complete(run_uri)["step"] == 5
+    assert list(staging.iterdir()) == []  # neither the leftover nor this checkpoint's own staging

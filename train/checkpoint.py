@@ -98,11 +98,18 @@ def begin_save(engine, run_uri: str, step: int, metadata: dict[str, Any]) -> Pen
     started = time.time()
     uri = checkpoint_uri(run_uri, step)
     tag = os.path.basename(uri)
+    remote = not storage.is_local(run_uri)
     if dist.get_rank() == 0 and storage.exists(uri):
         storage.delete_dir(uri)  # shards of another world size must not be listed, or converted, as this one's
+    if remote and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        # What a worker killed mid-upload left here; the run's previous checkpoint is written on every rank.
+        shutil.rmtree(staging_root(run_uri), ignore_errors=True)
     dist.barrier()
     writer = engine.checkpoint_engine if isinstance(engine.checkpoint_engine, BackgroundWriter) else None
-    staging = None if storage.is_local(run_uri) else tempfile.mkdtemp(prefix="raywright-ckpt-")
+    staging = None
+    if remote:
+        os.makedirs(staging_root(run_uri), exist_ok=True)
+        staging = tempfile.mkdtemp(dir=staging_root(run_uri))
     engine.save_checkpoint(staging or storage.resolve(os.path.dirname(uri))[1], tag=tag, save_latest=False)
     upload = functools.partial(_upload_staged, staging, tag, uri) if staging else lambda: None
     if writer:
@@ -110,6 +117,12 @@ def begin_save(engine, run_uri: str, step: int, metadata: dict[str, Any]) -> Pen
     else:
         upload()
     return PendingCheckpoint(run_uri, uri, step, metadata, started, writer, engine.device)
+
+
+def staging_root(run_uri: str) -> str:
+    """Where the ranks on this node stage their shards of a checkpoint of a run on object storage to upload."""
+    key = hashlib.sha256(run_uri.encode()).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), "raywright-ckpt-staging", key)
 
 
 def _upload_staged(staging: str, tag: str, uri: str) -> None:
