@@ -2,12 +2,14 @@
 
 ``up`` starts a Ray head (no CPUs, like the cloud head) whose autoscaler launches and removes
 "nodes" of cluster/local.yaml's types as work asks for their resources; ``down`` stops exactly
-the processes of that cluster (never a bare ``ray stop``, which would stop every Ray of the user).
+the processes of that cluster (never a bare ``ray stop``, which would stop every Ray of the user) and
+removes its temp dir.
 The twin's state (its config, ports, temp dir) lives in ``~/.raywright/local-cluster/``.
 """
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -78,7 +80,8 @@ def _processes_of(state: dict) -> list[psutil.Process]:
 
 
 def down(state_dir: Path = STATE_DIR, grace_s: float = 10.0) -> int:
-    """Stop the twin's processes (SIGTERM, then SIGKILL); how many there were."""
+    """Stop the twin's processes (SIGTERM, then SIGKILL) and remove its temp dir (its sessions' logs); how
+    many processes there were."""
     state = read_state(state_dir)
     if not state:
         return 0
@@ -91,5 +94,6 @@ def down(state_dir: Path = STATE_DIR, grace_s: float = 10.0) -> int:
     _, alive = psutil.wait_procs(processes, timeout=grace_s)
     for process in alive:
         process.kill()
+    shutil.rmtree(state["temp_dir"], ignore_errors=True)  # made by ``up``, for this twin only
     (state_dir / "state.json").unlink()
     return len(processes)

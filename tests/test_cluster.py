@@ -256,7 +256,7 @@ def test_local_twin_launches_spot_then_on_demand_follows_and_stops_a_job_then_sc
         _wait(lambda: _twin_node_kinds(state["dashboard"]) == [], 150, "the idle nodes to be given back")
     finally:
         local.down(tmp_path / "twin")
-    assert not local._processes_of(state)
+    assert not local._processes_of(state) and not Path(state["temp_dir"]).exists()
 
 
 @pytest.mark.unit
