@@ -82,6 +82,8 @@ def test_a_run_in_a_bucket_survives_its_driver_killed_resumes_at_another_size_an
     assert storage.read_json(f"{run_uri}/{LEASE}")["pid"] == first.pid  # it died holding the run
 
     # 2. Resubmitted on 1 worker: takes the dead driver's lease, converts the 2-worker checkpoint, finishes.
+    downloads = Path(checkpoint.download_dir(killed_at["uri"])).parent
+    downloaded_before = set(downloads.iterdir()) if downloads.exists() else set()
     second = subprocess.run(
         _train_command(root, ray_session.address, 1), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )
@@ -92,7 +94,7 @@ def test_a_run_in_a_bucket_survives_its_driver_killed_resumes_at_another_size_an
     final = checkpoint.latest_complete(run_uri)
     assert (final["step"], final["world_size"]) == (MAX_STEPS, 1)
     assert storage.list_dir(f"{run_uri}/{checkpoint.CHECKPOINTS}") == [os.path.basename(final["uri"])]  # keep_last 1
-    assert not os.path.exists(checkpoint.download_dir(killed_at["uri"]))  # the node's download, gone once loaded
+    assert set(downloads.iterdir()) == downloaded_before  # the node's download of it, removed once loaded
 
     # Side files are in the bucket, both drivers' reports in one metrics file; nothing is left on the driver's disk.
     steps = [m["step"] for m in read_metrics(run_uri) if "loss" in m]

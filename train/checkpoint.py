@@ -263,10 +263,13 @@ def load(engine, checkpoint: dict[str, Any], universal: bool) -> None:
     """Load model and optimizer state on every rank (a collective call).
 
     ``universal``: load the universal conversion (the engine must have been built with
-    ``load_universal``); this restores model and optimizer state at any world size.
+    ``load_universal``); this restores model and optimizer state at any world size. Only the files
+    loaded are downloaded: the conversion alone, or the shards alone.
     """
-    with _local_dir(checkpoint["uri"]) as local:
-        load_dir, tag = (local, UNIVERSAL) if universal else (os.path.dirname(local), os.path.basename(local))
-        load_path, _ = engine.load_checkpoint(load_dir, tag=tag, load_lr_scheduler_states=False)
+    uri = storage.join(checkpoint["uri"], UNIVERSAL) if universal else checkpoint["uri"]
+    with _local_dir(uri) as local:
+        load_path, _ = engine.load_checkpoint(
+            os.path.dirname(local), tag=os.path.basename(local), load_lr_scheduler_states=False
+        )
     if load_path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {checkpoint['uri']}")
