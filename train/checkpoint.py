@@ -263,8 +263,8 @@ def load(engine, checkpoint: dict[str, Any], universal: bool) -> None:
     """Load model and optimizer state on every rank (a collective call).
 
     ``universal``: load the universal conversion (the engine must have been built with
-    ``load_universal``); this restores model and optimizer state at any world size. Only the files
-    loaded are downloaded: the conversion alone, or the shards alone.
+    ``load_universal``); this restores model and optimizer state at any world size. From object
+    storage, a universal load downloads the conversion alone, not the shards beside it.
     """
     uri = storage.join(checkpoint["uri"], UNIVERSAL) if universal else checkpoint["uri"]
     with _local_dir(uri) as local:
