@@ -160,9 +160,11 @@ def main() -> None:
     cluster, nodes = start_cluster()
     scenario = recovery if args.scenario == "recovery" else goodput
     print(json.dumps(scenario(args, cluster, nodes), indent=2), flush=True)
-    ray.shutdown()
-    cluster.shutdown()
-    os._exit(0)  # after goodput the run's thread is still training, on a cluster that is gone
+    # After goodput the run's thread is still training: shutting down this process's Ray under it made
+    # Ray's core worker end the process with status 1. Stop the cluster's processes and leave at once.
+    for node in [*cluster.worker_nodes, cluster.head_node]:
+        node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
+    os._exit(0)
 
 
 if __name__ == "__main__":
