@@ -79,14 +79,16 @@ def ray_cluster(s3_server):
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def s3_bucket(s3_server) -> str:
-    """``s3://raywright-test`` on the session's S3 server."""
+    """``s3://raywright-test`` on the session's S3 server, made for each test that asks for it: moto's
+    in-process ``mock_aws`` (tests/test_cluster.py) empties every moto backend when it ends, this
+    server's buckets included."""
     if s3_server is None:
         pytest.skip("needs moto, for a local S3 server")
     import boto3
 
-    boto3.client("s3").create_bucket(Bucket=S3_BUCKET)
+    boto3.client("s3").create_bucket(Bucket=S3_BUCKET)  # a no-op where it exists (us-east-1)
     return f"s3://{S3_BUCKET}"
 
 
