@@ -10,7 +10,6 @@ half-written one is skipped with a warning, so a crash mid-save never becomes "l
 import argparse
 import contextlib
 import functools
-import hashlib
 import io
 import logging
 import os
@@ -101,15 +100,16 @@ def begin_save(engine, run_uri: str, step: int, metadata: dict[str, Any]) -> Pen
     remote = not storage.is_local(run_uri)
     if dist.get_rank() == 0 and storage.exists(uri):
         storage.delete_dir(uri)  # shards of another world size must not be listed, or converted, as this one's
-    if remote and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+    staging_dirs = staging_root(run_uri) if remote else None
+    if staging_dirs and _first_on_node():
         # What a worker killed mid-upload left here; the run's previous checkpoint is written on every rank.
-        shutil.rmtree(staging_root(run_uri), ignore_errors=True)
+        shutil.rmtree(staging_dirs, ignore_errors=True)
     dist.barrier()
     writer = engine.checkpoint_engine if isinstance(engine.checkpoint_engine, BackgroundWriter) else None
     staging = None
-    if remote:
-        os.makedirs(staging_root(run_uri), exist_ok=True)
-        staging = tempfile.mkdtemp(dir=staging_root(run_uri))
+    if staging_dirs:
+        os.makedirs(staging_dirs, exist_ok=True)
+        staging = tempfile.mkdtemp(dir=staging_dirs)
     engine.save_checkpoint(staging or storage.resolve(os.path.dirname(uri))[1], tag=tag, save_latest=False)
     upload = functools.partial(_upload_staged, staging, tag, uri) if staging else lambda: None
     if writer:
@@ -121,8 +121,12 @@ def begin_save(engine, run_uri: str, step: int, metadata: dict[str, Any]) -> Pen
 
 def staging_root(run_uri: str) -> str:
     """Where the ranks on this node stage their shards of a checkpoint of a run on object storage to upload."""
-    key = hashlib.sha256(run_uri.encode()).hexdigest()[:16]
-    return os.path.join(tempfile.gettempdir(), "raywright-ckpt-staging", key)
+    return storage.node_local_dir("ckpt-staging", run_uri)
+
+
+def _first_on_node() -> bool:
+    """Whether this rank does a node's share of the work (Ray Train sets LOCAL_RANK; a lone process has none)."""
+    return int(os.environ.get("LOCAL_RANK", "0")) == 0
 
 
 def _upload_staged(staging: str, tag: str, uri: str) -> None:
@@ -177,7 +181,7 @@ def prune(run_uri: str, keep_last: int) -> None:
 
 def download_dir(uri: str) -> str:
     """Where a node downloads the checkpoint at ``uri`` (on object storage) to load it."""
-    return os.path.join(tempfile.gettempdir(), "raywright-ckpt", hashlib.sha256(uri.encode()).hexdigest()[:16])
+    return storage.node_local_dir("ckpt", uri)
 
 
 @contextlib.contextmanager
@@ -189,7 +193,7 @@ def _local_dir(uri: str) -> Iterator[str]:
         yield storage.resolve(uri)[1]
         return
     local = download_dir(uri)
-    downloads = int(os.environ.get("LOCAL_RANK", "0")) == 0  # one download per node
+    downloads = _first_on_node()  # one download per node
     if downloads:
         shutil.rmtree(local, ignore_errors=True)
         storage.copy_dir(uri, local)

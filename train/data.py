@@ -18,7 +18,6 @@ import os
 import shutil
 import sys
 import sysconfig
-import tempfile
 import uuid
 
 import numpy as np
@@ -284,20 +283,21 @@ def load_split(path: str, split: str) -> SplitRows:
 def _node_local_split(path: str, split: str, manifest: dict) -> str:
     """The split's tokens as one flat uint16 file on this node, keyed by the dataset's location and identity.
 
-    Building one first drops the copies whose dataset is gone (deleted, or prepared again): each is as
-    large as its dataset's tokens, and nothing else would ever remove them.
+    Starting the copy of a dataset first drops the copies whose dataset is gone (deleted, or prepared
+    again): each is as large as its dataset's tokens, and nothing else would ever remove them.
     """
     source, identity = storage.absolute(path), manifest_sha256(manifest)
-    copies = os.path.join(tempfile.gettempdir(), "raywright-data")
-    cache = os.path.join(copies, hashlib.sha256(f"{source}\n{identity}".encode()).hexdigest()[:16])
+    cache = storage.node_local_dir("data", f"{source}\n{identity}")
     local = os.path.join(cache, f"{split}.u16")
     os.makedirs(cache, exist_ok=True)
     with open(os.path.join(cache, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the workers of a node build it once, the others wait for it
+        record = os.path.join(cache, COPY_SOURCE)
+        if not os.path.exists(record):  # the dataset's first split on this node: once per dataset, not per split
+            _drop_orphaned_copies(os.path.dirname(cache))
+            with open(record, "w") as f:
+                json.dump({"path": source, "manifest_sha256": identity}, f)
         if not os.path.exists(local):
-            _drop_orphaned_copies(copies)
-            with open(os.path.join(cache, COPY_SOURCE), "w") as record:
-                json.dump({"path": source, "manifest_sha256": identity}, record)
             fs, root = storage.resolve(path)
             staging = f"{local}.{os.getpid()}.tmp"
             with open(staging, "wb") as out:

@@ -6,10 +6,8 @@ restart, continues the file), and uploads it whole when the caller flushes (the 
 half minute and at the end, the sample log at each checkpoint and at the end).
 """
 
-import hashlib
 import json
 import os
-import tempfile
 from typing import Any
 
 from train import storage
@@ -17,8 +15,7 @@ from train import storage
 
 def node_local_copy(uri: str) -> str:
     """The path of this node's copy of a remote run file or directory."""
-    key = hashlib.sha256(uri.encode()).hexdigest()[:16]
-    return os.path.join(tempfile.gettempdir(), "raywright-run-files", key, os.path.basename(uri.rstrip("/")))
+    return os.path.join(storage.node_local_dir("run-files", uri), os.path.basename(uri.rstrip("/")))
 
 
 def local_path(uri: str) -> str:

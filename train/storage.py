@@ -1,7 +1,9 @@
 """Local paths and object-storage URIs behind one interface (pyarrow filesystems)."""
 
+import hashlib
 import json
 import os
+import tempfile
 from typing import Any
 
 import pyarrow.fs as pafs
@@ -21,6 +23,12 @@ def absolute(uri: str) -> str:
 
 def is_local(uri: str) -> bool:
     return isinstance(resolve(uri)[0], pafs.LocalFileSystem)
+
+
+def node_local_dir(purpose: str, key: str) -> str:
+    """This node's folder for ``key`` under ``$TMPDIR/raywright-<purpose>/`` (named by a hash of the key):
+    raywright's own local copies of what lives elsewhere, which it alone creates and deletes."""
+    return os.path.join(tempfile.gettempdir(), f"raywright-{purpose}", hashlib.sha256(key.encode()).hexdigest()[:16])
 
 
 def join(uri: str, *parts: str) -> str:
