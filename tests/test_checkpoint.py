@@ -39,6 +39,16 @@ def test_keep_last_counts_complete_checkpoints_only(tmp_path):
     assert storage.list_dir(f"{tmp_path}/{checkpoint.CHECKPOINTS}") == ["step_00000135"]
 
 
+def test_keep_last_zero_deletes_every_checkpoint_and_nothing_else(tmp_path):
+    """What a sweep does to a trial that ended: its step directories go, the rest of the run stays."""
+    _step(tmp_path, 10, complete=True)
+    _step(tmp_path, 20, complete=False)
+    storage.write_bytes(f"{tmp_path}/{checkpoint.CHECKPOINTS}/notes.txt", b"not a checkpoint")
+    checkpoint.prune(str(tmp_path), keep_last=0)
+    assert checkpoint.latest_complete(str(tmp_path)) is None
+    assert storage.list_dir(f"{tmp_path}/{checkpoint.CHECKPOINTS}") == ["notes.txt"]
+
+
 def test_a_checkpoint_whose_shard_changed_size_is_not_complete(tmp_path, caplog):
     good = _step(tmp_path, 10, complete=True)
     broken = _step(tmp_path, 20, complete=True)

@@ -41,6 +41,17 @@ def max_overlap(trials: pd.DataFrame) -> int:
     return most
 
 
+def assert_ended_trials_left_no_checkpoints(sweep: Path, trials: pd.DataFrame) -> None:
+    """Every trial of a sweep that ran to its end has ended: its checkpoints are gone, its metrics and (if it
+    finished) its export are kept."""
+    runs = sweep / "trials"
+    assert sorted(p.name for p in runs.iterdir()) == sorted(trials["trial_id"])
+    assert not list(runs.glob("*/checkpoints/step_*"))
+    assert all((runs / trial_id / "metrics.jsonl").exists() for trial_id in trials["trial_id"])
+    finished = trials[~trials["stopped_early"]]["trial_id"]
+    assert all((runs / trial_id / "export" / "model.safetensors").exists() for trial_id in finished)
+
+
 def short_sweep(tmp_path: Path, name: str, space: dict, **options) -> SweepResult:
     """A sweep of SHORT trials without early stopping, two at a time on one CPU each, stored in tmp_path."""
     common = {"set": SHORT, "max_concurrent_trials": 2, "early_stopping": "none", "trial_resources": {"CPU": 1}}
@@ -105,6 +116,7 @@ def test_notebook_sweep_stops_trials_early_runs_them_concurrently_and_its_best_r
     assert max_overlap(trials) == 2  # max_concurrent_trials reached
     for plot in ("optimization_history.png", "anytime.png", "parameter_importances.png", "asha_rungs.png"):
         assert (sweep / plot).stat().st_size > 1000
+    assert_ended_trials_left_no_checkpoints(sweep, trials)
 
     # The best recipe is a complete train recipe: it trains as it is.
     recipe = sweep / "best-notebook.yaml"  # the sweep directory keeps it
@@ -150,6 +162,7 @@ def test_sweep_resumes_after_its_driver_is_killed(ray_session, tiny_dataset, tmp
     assert len(trials) == 4 and not trials["error"].any() and (trials["steps"] == 40).all()
     assert finished_before <= set(trials["trial_id"])  # finished trials kept, not re-run under new ids
     assert Path(result.best_recipe).exists()
+    assert_ended_trials_left_no_checkpoints(sweep, trials)
 
 
 def test_trial_resumes_from_its_checkpoint_on_another_spot_node(ray_session, tiny_dataset, tmp_path):
@@ -164,6 +177,7 @@ def test_trial_resumes_from_its_checkpoint_on_another_spot_node(ray_session, tin
         "num_trials": 1,
         "storage_path": str(tmp_path),
         "trial_resources": {"CPU": 1, "spot": 0.01},
+        "keep_trial_checkpoints": True,
     }
     sweep_thread = threading.Thread(target=lambda: result.append(run_sweep("tiny", {}, **options)))
     sweep_thread.start()
@@ -192,6 +206,9 @@ def test_trial_resumes_from_its_checkpoint_on_another_spot_node(ray_session, tin
     # (An evaluation between the last checkpoint and the node loss may be reported twice.)
     steps = progress["step"].tolist()
     assert steps.count(0) == 1 and sorted(set(steps)) == list(range(0, 81, 10)), steps
+    # keep_trial_checkpoints: the ended trial keeps its newest (keep_last 2 of the tiny recipe).
+    kept = sorted(p.parent.name for p in checkpoints.glob("*/checkpoints/step_*/metadata.json"))
+    assert kept == ["step_00000070", "step_00000080"], kept
 
 
 def test_a_sweep_ends_once_its_step_budget_is_spent(ray_session, tiny_dataset, tmp_path):
@@ -201,6 +218,8 @@ def test_a_sweep_ends_once_its_step_budget_is_spent(ray_session, tiny_dataset, t
     # Two trials run at once: the one that was not the first to cross the budget may add an evaluation.
     assert 60 <= spent <= 60 + 2 * 10, result.trials
     assert len(result.trials) < 8 and result.trials["stopped_early"].any()
+    # The trial the budget cut short is over too: nothing resumes it.
+    assert_ended_trials_left_no_checkpoints(Path(result.path), result.trials)
 
 
 def test_multi_worker_trials_run_deepspeed_on_ray_train_inside_tune(ray_session, tiny_dataset, tmp_path):

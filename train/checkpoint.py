@@ -166,14 +166,14 @@ def finish_save(pending: PendingCheckpoint, keep_last: int, tokenizer: BPETokeni
 
 
 def prune(run_uri: str, keep_last: int) -> None:
-    """Keep the newest ``keep_last`` complete checkpoints; delete older ones and every incomplete one.
+    """Keep the newest ``keep_last`` complete checkpoints (0: none); delete older ones and every incomplete one.
 
     Called right after a save completes, when no other save is in flight (one at a time): an incomplete directory is
     then an interrupted attempt, never one still being written, and never counts toward ``keep_last``.
     """
     step_dirs = _step_dirs(run_uri)
     complete = [uri for uri in step_dirs if _incompleteness(uri) is None]
-    kept = set(complete[-keep_last:])
+    kept = set(complete[-keep_last:]) if keep_last else set()
     for uri in step_dirs:
         if uri not in kept:
             storage.delete_dir(uri)

@@ -78,6 +78,10 @@ class SweepConfig(Section):
     trial_resources: dict[str, float] = {"CPU": 1.0, "spot": 0.01}
     """What one training process asks for: the trial's own with one worker, each Train worker's with more.
     A resource no node of a local Ray has (spot) is dropped there with a warning."""
+    keep_trial_checkpoints: bool = False
+    """Keep the checkpoints of trials that have ended. false: deleted once a trial has finished, been
+    stopped early or been cut short by step_budget/target (nothing resumes those); its metrics, and its
+    export if it finished, stay."""
     max_failures: int = Field(3, ge=0)
     """Restarts of one trial (node lost, pre-empted) before it counts as failed."""
     storage_path: str = ""

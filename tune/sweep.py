@@ -9,6 +9,7 @@ up, Optuna's state and finished trials included), each trial's training run unde
 ``trials.csv``, the plots, and a copy of the best recipe.
 """
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -16,12 +17,14 @@ from typing import Any
 import pandas as pd
 import yaml
 from ray import tune
+from ray.tune import Callback
+from ray.tune.experiment import Trial
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search import ConcurrencyLimiter
 from ray.tune.search.basic_variant import BasicVariantGenerator
 from ray.tune.stopper import Stopper
 
-from train import storage
+from train import checkpoint, storage
 from train.launch import ensure_dataset, init_ray, resources_offered
 from train.preflight import check_before_ray
 from train.schema import ConfigError, replace
@@ -29,7 +32,9 @@ from tune.config import SweepConfig, sweep_config_from_dict, tune_space
 from tune.plots import save_plots
 from tune.progress import NotebookProgress, in_notebook
 from tune.search import ExploringTPESampler, StepAwareOptunaSearch
-from tune.trial import run_trial, sweep_dir, trial_config
+from tune.trial import run_trial, sweep_dir, trial_config, trials_dir
+
+logger = logging.getLogger(__name__)
 
 SWEEP_FILE = "sweep.yaml"
 
@@ -81,6 +86,39 @@ class SweepBudget(Stopper):
     def stop_all(self) -> bool:
         spent_all = 0 < self.step_budget <= self.spent
         return spent_all or (self.target is not None and self.best <= self.target)
+
+
+class DropEndedTrialCheckpoints(Callback):
+    """Deletes a trial's checkpoints once it has ended for good: finished, stopped by ASHA, or cut short by
+    the sweep's step budget or target. They exist to resume the trial, and Tune never resumes an ended one;
+    kept, a sweep of the `small` recipe would hold up to three 1.8 GB checkpoints per trial. The trial's
+    metrics, and its export if it finished, stay. Trials an interrupted sweep leaves running keep theirs."""
+
+    def __init__(self, sweep: SweepConfig):
+        self.sweep = sweep
+        self.budget = SweepBudget(sweep)  # fed what the sweep's stopper is fed: knows whether it ended the sweep
+        self.ended: set[str] = set()
+
+    def on_trial_result(self, iteration: int, trials: list[Trial], trial: Trial, result: dict, **info) -> None:
+        self.budget(trial.trial_id, result)
+
+    def on_trial_complete(self, iteration: int, trials: list[Trial], trial: Trial, **info) -> None:
+        self.ended.add(trial.trial_id)
+        self._drop(trial.trial_id)
+
+    def on_experiment_end(self, trials: list[Trial], **info) -> None:
+        # Tune ends the running trials the same way when the budget is spent and when the sweep is
+        # interrupted; only the first are over. An errored trial is resumed by `--resume`.
+        if self.budget.stop_all():
+            self.ended |= {trial.trial_id for trial in trials if trial.status != Trial.ERROR}
+        for trial_id in sorted(self.ended):
+            self._drop(trial_id)  # again: a stopped trial's process may have written one after it ended
+
+    def _drop(self, trial_id: str) -> None:
+        try:
+            checkpoint.prune(storage.join(trials_dir(self.sweep), trial_id), keep_last=0)
+        except OSError as exc:  # never fail a trial or the sweep over it; the sweep's end tries again
+            logger.warning("could not delete the checkpoints of ended trial %s: %s", trial_id, exc)
 
 
 def _tuner_parts(sweep: SweepConfig):
@@ -136,10 +174,15 @@ def run_sweep_config(sweep: SweepConfig) -> SweepResult:
             storage_path=storage.absolute(storage.join(sweep.storage_root(), "sweeps")),
             failure_config=tune.FailureConfig(max_failures=sweep.max_failures),
             stop=SweepBudget(sweep),
-            callbacks=[NotebookProgress(sweep.metric, list(sweep.space))] if in_notebook() else [],
+            callbacks=_callbacks(sweep),
         ),
     )
     return summarize(sweep, tuner.fit(), data_path)
+
+
+def _callbacks(sweep: SweepConfig) -> list[Callback]:
+    progress = [NotebookProgress(sweep.metric, list(sweep.space))] if in_notebook() else []
+    return progress + ([] if sweep.keep_trial_checkpoints else [DropEndedTrialCheckpoints(sweep)])
 
 
 def resume_sweep(path: str) -> SweepResult:

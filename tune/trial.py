@@ -30,7 +30,7 @@ def trial_config(sweep: SweepConfig, params: dict[str, Any], trial_id: str, data
             *(override(key, value) for key, value in params.items()),
             # Quoted: a trial id of digits only would otherwise be read as a number.
             override("run.name", trial_id),
-            override("run.storage_path", storage.join(sweep_dir(sweep), "trials")),
+            override("run.storage_path", trials_dir(sweep)),
             override("data.path", data_path),
             # With Train workers, trial_resources are each worker's (CPU included: it wins over cpus_per_worker).
             *([override("scaling.resources_per_worker", sweep.trial_resources)] if sweep.on_ray_train else []),
@@ -40,6 +40,11 @@ def trial_config(sweep: SweepConfig, params: dict[str, Any], trial_id: str, data
 
 def sweep_dir(sweep: SweepConfig) -> str:
     return storage.absolute(storage.join(sweep.storage_root(), "sweeps", sweep.name))
+
+
+def trials_dir(sweep: SweepConfig) -> str:
+    """Where the trials' training runs are, each named by its trial id."""
+    return storage.join(sweep_dir(sweep), "trials")
 
 
 def _free_port() -> int:
