@@ -41,15 +41,10 @@ def max_overlap(trials: pd.DataFrame) -> int:
     return most
 
 
-def assert_ended_trials_left_no_checkpoints(sweep: Path, trials: pd.DataFrame) -> None:
-    """Every trial of a sweep that ran to its end has ended: its checkpoints are gone, its metrics and (if it
-    finished) its export are kept."""
-    runs = sweep / "trials"
-    assert sorted(p.name for p in runs.iterdir()) == sorted(trials["trial_id"])
-    assert not list(runs.glob("*/checkpoints/step_*"))
-    assert all((runs / trial_id / "metrics.jsonl").exists() for trial_id in trials["trial_id"])
-    finished = trials[~trials["stopped_early"]]["trial_id"]
-    assert all((runs / trial_id / "export" / "model.safetensors").exists() for trial_id in finished)
+def assert_ended_trials_left_no_checkpoints(sweep: Path) -> None:
+    """Every trial of a sweep that ran to its end has ended, so none of their checkpoints is left."""
+    assert list(sweep.glob("trials/*/checkpoints"))  # the trials checkpointed here
+    assert not list(sweep.glob("trials/*/checkpoints/step_*"))
 
 
 def short_sweep(tmp_path: Path, name: str, space: dict, **options) -> SweepResult:
@@ -116,7 +111,10 @@ def test_notebook_sweep_stops_trials_early_runs_them_concurrently_and_its_best_r
     assert max_overlap(trials) == 2  # max_concurrent_trials reached
     for plot in ("optimization_history.png", "anytime.png", "parameter_importances.png", "asha_rungs.png"):
         assert (sweep / plot).stat().st_size > 1000
-    assert_ended_trials_left_no_checkpoints(sweep, trials)
+    assert_ended_trials_left_no_checkpoints(sweep)
+    # A trial that ASHA let reach its last step finished it: its export is there beside the sweep's results.
+    for trial_id in trials[~trials["stopped_early"]]["trial_id"]:
+        assert (sweep / "trials" / trial_id / "export" / "model.safetensors").exists()
 
     # The best recipe is a complete train recipe: it trains as it is.
     recipe = sweep / "best-notebook.yaml"  # the sweep directory keeps it
@@ -162,7 +160,8 @@ def test_sweep_resumes_after_its_driver_is_killed(ray_session, tiny_dataset, tmp
     assert len(trials) == 4 and not trials["error"].any() and (trials["steps"] == 40).all()
     assert finished_before <= set(trials["trial_id"])  # finished trials kept, not re-run under new ids
     assert Path(result.best_recipe).exists()
-    assert_ended_trials_left_no_checkpoints(sweep, trials)
+    assert_ended_trials_left_no_checkpoints(sweep)
+    assert len(list(sweep.glob("trials/*/export/model.safetensors"))) == 4  # what else a trial wrote stays
 
 
 def test_trial_resumes_from_its_checkpoint_on_another_spot_node(ray_session, tiny_dataset, tmp_path):
@@ -219,7 +218,7 @@ def test_a_sweep_ends_once_its_step_budget_is_spent(ray_session, tiny_dataset, t
     assert 60 <= spent <= 60 + 2 * 10, result.trials
     assert len(result.trials) < 8 and result.trials["stopped_early"].any()
     # The trial the budget cut short is over too: nothing resumes it.
-    assert_ended_trials_left_no_checkpoints(Path(result.path), result.trials)
+    assert_ended_trials_left_no_checkpoints(Path(result.path))
 
 
 def test_multi_worker_trials_run_deepspeed_on_ray_train_inside_tune(ray_session, tiny_dataset, tmp_path):

@@ -80,8 +80,7 @@ class SweepConfig(Section):
     A resource no node of a local Ray has (spot) is dropped there with a warning."""
     keep_trial_checkpoints: bool = False
     """Keep the checkpoints of trials that have ended. false: deleted once a trial has finished, been
-    stopped early or been cut short by step_budget/target (nothing resumes those); its metrics, and its
-    export if it finished, stay."""
+    stopped early or been cut short by step_budget/target (nothing resumes those); its export, if it finished, stays."""
     max_failures: int = Field(3, ge=0)
     """Restarts of one trial (node lost, pre-empted) before it counts as failed."""
     storage_path: str = ""

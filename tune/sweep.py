@@ -91,8 +91,8 @@ class SweepBudget(Stopper):
 class DropEndedTrialCheckpoints(Callback):
     """Deletes a trial's checkpoints once it has ended for good: finished, stopped by ASHA, or cut short by
     the sweep's step budget or target. They exist to resume the trial, and Tune never resumes an ended one;
-    kept, a sweep of the `small` recipe would hold up to three 1.8 GB checkpoints per trial. The trial's
-    metrics, and its export if it finished, stay. Trials an interrupted sweep leaves running keep theirs."""
+    kept, a sweep of the `small` recipe would hold up to three 1.8 GB checkpoints per trial. What else the
+    trial wrote (its export, if it finished) stays; trials an interrupted sweep leaves running keep theirs."""
 
     def __init__(self, sweep: SweepConfig):
         self.sweep = sweep
@@ -143,6 +143,7 @@ def _tuner_parts(sweep: SweepConfig):
             max_t=max_steps,
             grace_period=sweep.grace_period,
             reduction_factor=sweep.reduction_factor,
+            stop_last_trials=False,  # a trial at its last step ends itself, after its last checkpoint and export
         )
         if sweep.early_stopping == "asha"
         else FIFOScheduler()
