@@ -1,10 +1,12 @@
 """Checkpoint bookkeeping that must never lose the last good checkpoint, nor leave a node's disk filling (no Ray)."""
 
 import json
+import logging
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from train import checkpoint, storage
 from train.checkpoint_writer import BackgroundWriter
@@ -81,3 +83,30 @@ def test_a_remote_runs_checkpoint_clears_the_shards_a_killed_upload_left_on_the_
 
     assert checkpoint.latest_complete(run_uri)["step"] == 5
     assert list(staging.iterdir()) == []  # neither the leftover nor this checkpoint's own staging
+
+
+def test_a_resume_at_the_saved_size_downloads_only_this_machines_shards(process_group, s3_bucket, caplog):
+    """Each machine fetches its own ranks' ZeRO shards and the shared files, not every rank's optimizer state."""
+    names = ["mp_rank_00_model_states.pt", "tokenizer.json", "zero_to_fp32.py"]
+    shards = [f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" for rank in (0, 1, 2, 10)]
+    assert checkpoint.files_for_ranks(names + shards, {1, 2}) == names + shards[1:3]
+
+    cfg = load_config("tiny")
+    torch.manual_seed(0)
+    saved = build_engine(cfg, GPT(cfg.model), world_size=1)
+    run_uri = f"{s3_bucket}/download-{time.time_ns()}"
+    pending = checkpoint.begin_save(saved, run_uri, 5, {"world_size": 1})
+    assert checkpoint.written(pending, wait=True)
+    # What rank 1 of a two-rank run would have written beside rank 0's shard (here, junk it must not fetch).
+    storage.write_bytes(f"{pending.uri}/zero_pp_rank_1_mp_rank_00_optim_states.pt", b"rank 1" * 1000)
+    checkpoint.finish_save(pending, keep_last=2, tokenizer=ByteTokenizer())
+    latest = checkpoint.latest_complete(run_uri)
+
+    torch.manual_seed(1)
+    resumed = build_engine(cfg, GPT(cfg.model), world_size=1)
+    with caplog.at_level(logging.INFO, logger="train.checkpoint"):
+        checkpoint.load(resumed, latest, universal=False)
+    assert f"downloaded {len(latest['files']) - 1} of the {len(latest['files'])} files" in caplog.text
+    for before, after in zip(saved.module.parameters(), resumed.module.parameters(), strict=True):
+        assert torch.equal(before, after)
+    assert not Path(checkpoint.download_dir(latest["uri"])).exists()

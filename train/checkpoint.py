@@ -13,10 +13,12 @@ import functools
 import io
 import logging
 import os
+import re
 import shutil
+import socket
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +36,8 @@ logger = logging.getLogger(__name__)
 CHECKPOINTS = "checkpoints"
 METADATA = "metadata.json"
 UNIVERSAL = "universal"
+# DeepSpeed's files of one data-parallel rank: its ZeRO optimizer shard, and at stage 3 its model states.
+RANK_FILE = re.compile(r"zero_pp_rank_(\d+)_")
 
 
 def checkpoint_uri(run_uri: str, step: int) -> str:
@@ -184,19 +188,38 @@ def download_dir(uri: str) -> str:
     return storage.node_local_dir("ckpt", uri)
 
 
+def files_for_ranks(files: Iterable[str], ranks: Collection[int]) -> list[str]:
+    """Of a checkpoint's files, those that ``ranks`` read to load it at the world size it was saved at:
+    their own per-rank files and the files every rank reads (model states below ZeRO-3, the tokenizer).
+    DeepSpeed opens no other rank's shard there (unless ``elastic_checkpoint`` is set)."""
+    owners = {name: RANK_FILE.search(os.path.basename(name)) for name in files}
+    return [name for name, owner in owners.items() if owner is None or int(owner[1]) in ranks]
+
+
+def _ranks_on_this_machine() -> list[int]:
+    """The ranks that share this machine's download folder, lowest first (a collective)."""
+    hosts: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    return [rank for rank, host in enumerate(hosts) if host == hosts[dist.get_rank()]]
+
+
 @contextlib.contextmanager
-def _local_dir(uri: str) -> Iterator[str]:
-    """A local directory holding the checkpoint at ``uri`` while in use (a collective): itself, or a per-node
-    download, removed once every rank has loaded from it; a node that outlives many resumes would otherwise
-    keep a whole checkpoint from each."""
+def _local_dir(uri: str, files: list[str] | None = None) -> Iterator[str]:
+    """A local directory holding the checkpoint at ``uri`` while in use (a collective): itself, or a download
+    per machine of what its ranks read of ``files`` (None: every file), removed once every rank has loaded
+    from it; a node that outlives many resumes would otherwise keep a whole checkpoint from each."""
     if storage.is_local(uri):
         yield storage.resolve(uri)[1]
         return
     local = download_dir(uri)
-    downloads = _first_on_node()  # one download per node
+    ranks = _ranks_on_this_machine()
+    downloads = dist.get_rank() == ranks[0]  # one download per machine
     if downloads:
         shutil.rmtree(local, ignore_errors=True)
-        storage.copy_dir(uri, local)
+        needed = None if files is None else files_for_ranks(files, ranks)
+        storage.copy_dir(uri, local, needed)
+        if needed is not None:
+            logger.info("downloaded %d of the %d files of %s for ranks %s", len(needed), len(files), uri, ranks)
     dist.barrier()
     yield local
     # Not reached when the load raised: the ranks would not meet here, and the group restarts anyway;
@@ -268,10 +291,14 @@ def load(engine, checkpoint: dict[str, Any], universal: bool) -> None:
 
     ``universal``: load the universal conversion (the engine must have been built with
     ``load_universal``); this restores model and optimizer state at any world size. From object
-    storage, a universal load downloads the conversion alone, not the shards beside it.
+    storage, a universal load downloads the conversion alone, not the shards beside it; a load at the
+    saved size downloads, on each machine, the shards of the ranks there and the files all ranks read.
     """
-    uri = storage.join(checkpoint["uri"], UNIVERSAL) if universal else checkpoint["uri"]
-    with _local_dir(uri) as local:
+    if universal:
+        uri, files = storage.join(checkpoint["uri"], UNIVERSAL), None
+    else:  # an elastic ZeRO checkpoint has every rank read every shard
+        uri, files = checkpoint["uri"], None if engine.zero_elastic_checkpoint() else list(checkpoint["files"])
+    with _local_dir(uri, files) as local:
         load_path, _ = engine.load_checkpoint(
             os.path.dirname(local), tag=os.path.basename(local), load_lr_scheduler_states=False
         )

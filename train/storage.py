@@ -4,6 +4,7 @@ import hashlib
 import json
 import os
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pyarrow.fs as pafs
@@ -78,12 +79,23 @@ def read_json(uri: str) -> Any:
     return json.loads(read_bytes(uri))
 
 
-def copy_dir(src: str, dst: str) -> None:
-    """Copy every file under ``src`` into ``dst`` (merging with what is there)."""
+def copy_dir(src: str, dst: str, names: list[str] | None = None) -> None:
+    """Copy every file under ``src``, or only ``names`` (paths relative to it), into ``dst`` (merging with
+    what is there)."""
     src_fs, src_path = resolve(src)
     dst_fs, dst_path = resolve(dst)
     dst_fs.create_dir(dst_path, recursive=True)
-    pafs.copy_files(src_path, dst_path, source_filesystem=src_fs, destination_filesystem=dst_fs)
+    if names is None:
+        pafs.copy_files(src_path, dst_path, source_filesystem=src_fs, destination_filesystem=dst_fs)
+        return
+
+    def copy(name: str) -> None:
+        target = f"{dst_path}/{name}"
+        dst_fs.create_dir(os.path.dirname(target), recursive=True)
+        pafs.copy_files(f"{src_path}/{name}", target, source_filesystem=src_fs, destination_filesystem=dst_fs)
+
+    with ThreadPoolExecutor(max_workers=8) as pool:  # several files at once, as pyarrow copies a directory
+        list(pool.map(copy, names))
 
 
 def delete_file(uri: str) -> None:
