@@ -67,7 +67,7 @@ class SweepConfig(Section):
     step_budget: int = Field(0, ge=0)
     """End the sweep once its trials have trained this many steps in all (0: no limit). With ASHA the
     steps, not the trials, are what a sweep costs; num_trials then only caps the count. A resumed sweep
-    counts its steps afresh."""
+    goes on counting where it was interrupted (Tune keeps the count in the sweep's state)."""
     target: float | None = None
     """End the sweep once a trial's metric reaches this value (None: run to the end)."""
     metric: Literal["val_loss"] = "val_loss"

@@ -11,10 +11,12 @@ up, Optuna's state and finished trials included), each trial's training run unde
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
+import ray
 import yaml
 from ray import tune
 from ray.tune import Callback
@@ -23,6 +25,7 @@ from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search import ConcurrencyLimiter
 from ray.tune.search.basic_variant import BasicVariantGenerator
 from ray.tune.stopper import Stopper
+from ray.util.state import list_actors
 
 from train import checkpoint, storage
 from train.launch import ensure_dataset, init_ray, resources_offered
@@ -37,6 +40,7 @@ from tune.trial import run_trial, sweep_dir, trial_config, trials_dir
 logger = logging.getLogger(__name__)
 
 SWEEP_FILE = "sweep.yaml"
+TRIAL_PROCESSES = {"ImplicitFunc", "RayTrainWorker"}  # Tune's function trials and their Ray Train workers
 
 
 @dataclass
@@ -96,8 +100,20 @@ class DropEndedTrialCheckpoints(Callback):
 
     def __init__(self, sweep: SweepConfig):
         self.sweep = sweep
-        self.budget = SweepBudget(sweep)  # fed what the sweep's stopper is fed: knows whether it ended the sweep
+        # Whether the sweep's stopper ended the sweep, counted here from what it counts. Tune restores the
+        # stopper's count with a resumed sweep's state, but callbacks as they were when the sweep began.
+        self.budget = SweepBudget(sweep)
+        self.counted_restored = False
         self.ended: set[str] = set()
+
+    def on_step_begin(self, iteration: int, trials: list[Trial], **info) -> None:
+        if self.counted_restored:
+            return
+        # Once, before the first step starts a trial (a started trial's last_result waits for its actor).
+        self.counted_restored = True
+        for trial in trials:
+            if "step" in trial.last_result:
+                self.budget(trial.trial_id, trial.last_result)
 
     def on_trial_result(self, iteration: int, trials: list[Trial], trial: Trial, result: dict, **info) -> None:
         self.budget(trial.trial_id, result)
@@ -111,6 +127,7 @@ class DropEndedTrialCheckpoints(Callback):
         # interrupted; only the first are over. An errored trial is resumed by `--resume`.
         if self.budget.stop_all():
             self.ended |= {trial.trial_id for trial in trials if trial.status != Trial.ERROR}
+        _wait_for_trial_processes()
         for trial_id in sorted(self.ended):
             self._drop(trial_id)  # again: a stopped trial's process may have written one after it ended
 
@@ -119,6 +136,22 @@ class DropEndedTrialCheckpoints(Callback):
             checkpoint.prune(storage.join(trials_dir(self.sweep), trial_id), keep_last=0)
         except OSError as exc:  # never fail a trial or the sweep over it; the sweep's end tries again
             logger.warning("could not delete the checkpoints of ended trial %s: %s", trial_id, exc)
+
+
+def _wait_for_trial_processes(timeout_s: float = 30.0) -> None:
+    """Wait until this sweep's trial processes have exited (at most ``timeout_s``). Tune asks a trial to
+    stop and ends the sweep without waiting for that; a trial trains on to its next report meanwhile,
+    and may write a checkpoint."""
+    job = ray.get_runtime_context().get_job_id()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            alive = list_actors(filters=[("job_id", "=", job), ("state", "=", "ALIVE")], raise_on_missing_output=False)
+            if not any(name in actor.class_name for actor in alive for name in TRIAL_PROCESSES):
+                return
+            time.sleep(0.5)
+    except Exception as exc:  # the state API needs Ray's dashboard; without it, do not wait
+        logger.warning("could not see whether the trials have exited: %s", exc)
 
 
 def _tuner_parts(sweep: SweepConfig):
