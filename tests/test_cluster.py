@@ -250,8 +250,11 @@ def test_local_twin_launches_spot_then_on_demand_follows_and_stops_a_job_then_sc
         finally:
             follow.kill()
         assert connect(state["dashboard"]).get_job_status(job_id).value == "STOPPED"
-        supervisor_log = Path(state["temp_dir"], "session_latest", "logs", "jobs", f"supervisor-{job_id}.log")
-        assert "terminated gracefully" in supervisor_log.read_text()  # not SIGKILLed mid-abort
+        logs = Path(state["temp_dir"], "session_latest", "logs")
+        assert "terminated gracefully" in (logs / "jobs" / f"supervisor-{job_id}.log").read_text()  # not SIGKILLed
+        # Each node unpacked the job's code in its own folder: none deleted the code under another's workers.
+        setup = "".join(log.read_text() for log in logs.glob("runtime_env_setup-*.log"))
+        assert "runtime_resources_node" in setup and "Removing" not in setup
         # The stopped run withdrew its autoscaler request: the nodes go after the idle timeout (30 s).
         _wait(lambda: _twin_node_kinds(state["dashboard"]) == [], 150, "the idle nodes to be given back")
     finally:
