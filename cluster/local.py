@@ -59,8 +59,10 @@ def up(state_dir: Path = STATE_DIR) -> dict:
     try:
         started = subprocess.run(command, env={**os.environ, "RAY_FAKE_CLUSTER": "1"}, capture_output=True, text=True)
     except OSError as exc:
+        shutil.rmtree(temp_dir)
         raise RuntimeError(f"cannot run `ray start`: {exc.strerror} (is Ray installed in this environment?)") from None
     if started.returncode:
+        shutil.rmtree(temp_dir, ignore_errors=True)  # made above; what a failed start left in it is of no use
         last = (started.stderr.strip() or started.stdout.strip() or "no output").splitlines()[-1]
         raise RuntimeError(f"`ray start` failed (exit {started.returncode}): {last}")
     state = {"address": f"{ip}:{gcs_port}", "dashboard": f"http://127.0.0.1:{dashboard_port}", "temp_dir": temp_dir}

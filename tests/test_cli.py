@@ -125,6 +125,7 @@ def test_help_documents_the_settings(cli):
 def test_a_failing_ray_start_is_one_line_with_its_reason(tmp_path):
     """`cluster up --local` where `ray` cannot start: its reason on one line, exit 1, no state left behind."""
     env = {**os.environ, "HOME": str(tmp_path), "PATH": str(tmp_path)}  # no `ray` executable on PATH
+    twin_temp_dirs = set(Path("/tmp").glob("rwtwin-*"))
     done = subprocess.run(
         [sys.executable, "-m", "cluster", "up", "--local"], env=env, capture_output=True, text=True, timeout=120
     )
@@ -132,6 +133,7 @@ def test_a_failing_ray_start_is_one_line_with_its_reason(tmp_path):
         "error: cannot run `ray start`: No such file or directory (is Ray installed in this environment?)"
     ]
     assert not (tmp_path / ".raywright" / "local-cluster" / "state.json").exists()
+    assert set(Path("/tmp").glob("rwtwin-*")) == twin_temp_dirs
 
 
 @pytest.mark.cluster
