@@ -106,7 +106,38 @@ def test_a_resume_at_the_saved_size_downloads_only_this_machines_shards(process_
     resumed = build_engine(cfg, GPT(cfg.model), world_size=1)
     with caplog.at_level(logging.INFO, logger="train.checkpoint"):
         checkpoint.load(resumed, latest, universal=False)
-    assert f"downloaded {len(latest['files']) - 1} of the {len(latest['files'])} files" in caplog.text
+    assert f"downloaded {len(latest['files']) - 1} files of {latest['uri']} " in caplog.text
     for before, after in zip(saved.module.parameters(), resumed.module.parameters(), strict=True):
         assert torch.equal(before, after)
     assert not Path(checkpoint.download_dir(latest["uri"])).exists()
+
+
+def test_a_resize_downloads_the_universal_state_of_this_machines_optimizer_partition_only(
+    process_group, s3_bucket, caplog
+):
+    """At ZeRO-1/2 a rank's optimizer partition holds pieces of some parameters; a universal load reads the
+    state of those alone, so a machine fetches theirs and the shared files, not every parameter's."""
+    files = ["mp_rank_00_model_states.pt", "zero/optimizer_state.pt", "zero/a.weight/fp32.pt", "zero/b.bias/fp32.pt"]
+    assert checkpoint.universal_files_for_params(files, {"a.weight"}) == files[:3]
+
+    cfg = load_config("tiny")  # ZeRO-2
+    torch.manual_seed(0)
+    saved = build_engine(cfg, GPT(cfg.model), world_size=1)
+    run_uri = f"{s3_bucket}/universal-download-{time.time_ns()}"
+    pending = checkpoint.begin_save(saved, run_uri, 5, {"world_size": 1, "config": cfg.to_dict()})
+    assert checkpoint.written(pending, wait=True)
+    checkpoint.finish_save(pending, keep_last=2, tokenizer=ByteTokenizer())
+    latest = checkpoint.latest_complete(run_uri)
+    checkpoint.convert_to_universal(latest)
+    universal = f"{latest['uri']}/{checkpoint.UNIVERSAL}"
+    # The state of a parameter that no rank of this machine has a piece of (here, junk it must not fetch).
+    storage.write_bytes(f"{universal}/zero/not.in.this.partition/fp32.pt", b"other" * 1000)
+    total = len(checkpoint._file_sizes(universal))
+
+    torch.manual_seed(1)
+    resumed = build_engine(cfg, GPT(cfg.model), world_size=1, load_universal=True)
+    with caplog.at_level(logging.INFO, logger="train.checkpoint"):
+        checkpoint.load(resumed, latest, universal=True)
+    assert f"downloaded {total - 1} files of {universal} " in caplog.text
+    for before, after in zip(saved.module.parameters(), resumed.module.parameters(), strict=True):
+        assert torch.equal(before, after)

@@ -18,7 +18,7 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,6 +196,27 @@ def files_for_ranks(files: Iterable[str], ranks: Collection[int]) -> list[str]:
     return [name for name, owner in owners.items() if owner is None or int(owner[1]) in ranks]
 
 
+def universal_files_for_params(files: Iterable[str], params: Collection[str]) -> list[str]:
+    """Of a universal conversion's files, those that ranks reading the state of ``params`` read: the
+    ``zero/<param>/`` files of those parameters and every file outside a parameter's folder."""
+
+    def param_of(name: str) -> str | None:
+        parts = name.split("/")
+        return parts[1] if len(parts) == 3 and parts[0] == "zero" else None
+
+    return [name for name in files if param_of(name) in (None, *params)]
+
+
+def _params_with_optimizer_state_here(engine) -> set[str] | None:
+    """The parameters of which this rank's optimizer partition holds a piece (ZeRO-1/2, bf16): a universal
+    load reads only their state. None where every rank reads every parameter's (ZeRO-3, a plain optimizer)."""
+    names = getattr(engine.optimizer, "param_names", None)
+    params = list(engine.module.parameters())
+    if engine.zero_optimization_stage() == 3 or names is None or not all(hasattr(p, "_hp_mapping") for p in params):
+        return None
+    return {names[p] for p in params if p._hp_mapping is not None}
+
+
 def _ranks_on_this_machine() -> list[int]:
     """The ranks that share this machine's download folder, lowest first (a collective)."""
     hosts: list[str | None] = [None] * dist.get_world_size()
@@ -204,10 +225,10 @@ def _ranks_on_this_machine() -> list[int]:
 
 
 @contextlib.contextmanager
-def _local_dir(uri: str, files: list[str] | None = None) -> Iterator[str]:
+def _local_dir(uri: str, files_for: Callable[[list[int]], list[str] | None] | None = None) -> Iterator[str]:
     """A local directory holding the checkpoint at ``uri`` while in use (a collective): itself, or a download
-    per machine of what its ranks read of ``files`` (None: every file), removed once every rank has loaded
-    from it; a node that outlives many resumes would otherwise keep a whole checkpoint from each."""
+    per machine of ``files_for(its ranks)`` (None: every file), removed once every rank has loaded from it; a
+    node that outlives many resumes would otherwise keep a whole checkpoint from each."""
     if storage.is_local(uri):
         yield storage.resolve(uri)[1]
         return
@@ -216,10 +237,10 @@ def _local_dir(uri: str, files: list[str] | None = None) -> Iterator[str]:
     downloads = dist.get_rank() == ranks[0]  # one download per machine
     if downloads:
         shutil.rmtree(local, ignore_errors=True)
-        needed = None if files is None else files_for_ranks(files, ranks)
+        needed = None if files_for is None else files_for(ranks)
         storage.copy_dir(uri, local, needed)
         if needed is not None:
-            logger.info("downloaded %d of the %d files of %s for ranks %s", len(needed), len(files), uri, ranks)
+            logger.info("downloaded %d files of %s for ranks %s", len(needed), uri, ranks)
     dist.barrier()
     yield local
     # Not reached when the load raised: the ranks would not meet here, and the group restarts anyway;
@@ -227,6 +248,17 @@ def _local_dir(uri: str, files: list[str] | None = None) -> Iterator[str]:
     dist.barrier()
     if downloads:
         shutil.rmtree(local, ignore_errors=True)
+
+
+def _universal_files_for(engine, uri: str) -> Callable[[list[int]], list[str] | None] | None:
+    """What a machine's ranks read of the universal conversion at ``uri`` (a collective where the engine
+    partitions its optimizer state, to learn every rank's parameters)."""
+    mine = _params_with_optimizer_state_here(engine)
+    if mine is None or storage.is_local(uri):  # the same on every rank: the engine's config, the uri
+        return None
+    every_rank: list[set[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, mine)
+    return lambda ranks: universal_files_for_params(_file_sizes(uri), set().union(*(every_rank[r] for r in ranks)))
 
 
 def needs_universal(checkpoint: dict[str, Any], world_size: int) -> bool:
@@ -291,14 +323,19 @@ def load(engine, checkpoint: dict[str, Any], universal: bool) -> None:
 
     ``universal``: load the universal conversion (the engine must have been built with
     ``load_universal``); this restores model and optimizer state at any world size. From object
-    storage, a universal load downloads the conversion alone, not the shards beside it; a load at the
-    saved size downloads, on each machine, the shards of the ranks there and the files all ranks read.
+    storage, each machine downloads what its ranks read: for a universal load, the conversion's shared files
+    and the state of the parameters their optimizer partitions hold pieces of (every parameter's at ZeRO-3),
+    not the shards beside it; at the saved size, the shards of the ranks there and the files all ranks read.
     """
     if universal:
-        uri, files = storage.join(checkpoint["uri"], UNIVERSAL), None
-    else:  # an elastic ZeRO checkpoint has every rank read every shard
-        uri, files = checkpoint["uri"], None if engine.zero_elastic_checkpoint() else list(checkpoint["files"])
-    with _local_dir(uri, files) as local:
+        uri = storage.join(checkpoint["uri"], UNIVERSAL)
+        files_for = _universal_files_for(engine, uri)
+    elif engine.zero_elastic_checkpoint():  # every rank reads every shard
+        uri, files_for = checkpoint["uri"], None
+    else:
+        uri = checkpoint["uri"]
+        files_for = functools.partial(files_for_ranks, list(checkpoint["files"]))
+    with _local_dir(uri, files_for) as local:
         load_path, _ = engine.load_checkpoint(
             os.path.dirname(local), tag=os.path.basename(local), load_lr_scheduler_states=False
         )
