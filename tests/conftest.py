@@ -11,6 +11,7 @@ import pytest
 import ray
 import torch
 import torch.distributed as dist
+from ray._common.utils import get_default_ray_temp_dir
 from ray.cluster_utils import Cluster
 
 from train.config import TrainConfig, load_config
@@ -71,6 +72,9 @@ def ray_cluster(s3_server):
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = "1"  # Ray Train notices a drain within ~1 s
     temp_dir = tempfile.mkdtemp(prefix="/tmp/rwt-")
+    # Ray's Cluster also writes the head's address to <default temp dir>/ray_current_cluster, whatever temp_dir
+    # the head was given, and fails where that folder is missing (a machine that never ran Ray before).
+    os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "temp_dir": temp_dir})
     ray.init(address=cluster.address)
     yield cluster
