@@ -19,7 +19,7 @@ from tests.conftest import free_port
 from train import checkpoint, storage
 from train.launch import ELASTIC_SUMMARY
 from train.lease import LEASE
-from train.metrics import read_metrics
+from train.metrics import METRICS, TENSORBOARD, read_metrics
 
 pytestmark = pytest.mark.cluster
 
@@ -102,6 +102,8 @@ def test_a_run_in_a_bucket_survives_its_driver_killed_resumes_at_another_size_an
     assert storage.read_json(f"{run_uri}/{ELASTIC_SUMMARY}")["world_size_timeline"]  # the resumed driver's
     assert not storage.exists(f"{run_uri}/{LEASE}")  # released at the end
     assert not (tmp_path / "runs").exists()
+    for side_file in (METRICS, TENSORBOARD):  # the node-local copies the recorder uploaded them from
+        assert not os.path.exists(storage.node_local_dir("run-files", f"{run_uri}/{side_file}")), side_file
 
     # 3. Served from the bucket.
     port = free_port()

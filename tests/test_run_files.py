@@ -1,5 +1,6 @@
 """Side files of a run on object storage: appended on a node, visible when flushed, continued elsewhere."""
 
+import os
 import shutil
 import time
 
@@ -10,7 +11,9 @@ from train.run_files import JsonlLog, node_local_copy, read_jsonl
 pytestmark = pytest.mark.unit
 
 
-def test_a_remote_log_is_uploaded_when_flushed_and_continued_by_a_writer_on_another_node(s3_bucket):
+def test_a_remote_log_is_uploaded_when_flushed_continued_by_a_writer_on_another_node_and_left_nowhere_else(
+    s3_bucket,
+):
     uri = f"{s3_bucket}/run-files-{time.time_ns()}/samples.jsonl"
     log = JsonlLog(uri)
     log.append({"step": 1})
@@ -22,8 +25,9 @@ def test_a_remote_log_is_uploaded_when_flushed_and_continued_by_a_writer_on_anot
     shutil.rmtree(node_local_copy(uri).rsplit("/", 1)[0])  # rank 0 restarts on another node
     continued = JsonlLog(uri)
     continued.append({"step": 3})
-    continued.flush()
+    continued.close()  # the run's end
     assert [record["step"] for record in read_jsonl(uri)] == [1, 2, 3]
+    assert not os.path.exists(os.path.dirname(node_local_copy(uri)))
 
 
 def test_a_local_log_is_appended_in_place(tmp_path):

@@ -250,7 +250,7 @@ class Trainer:
                 my_rows, loss, seconds = self._train_step()
             self._after_step(my_rows, loss, seconds)
         if self.sample_log:
-            self.sample_log.flush()
+            self.sample_log.close()
         provenance = {**self.args["provenance"], "step": self.step, "config": self.cfg.to_dict()}
         export_model(self.engine, self.cfg.model, self.tokenizer, export_uri(self.run_uri), provenance)
 

@@ -13,7 +13,7 @@ import torch
 from ray.train.v2.api.callback import UserCallback
 
 from train import storage
-from train.run_files import JsonlLog, local_dir_for, read_jsonl, upload_dir
+from train.run_files import JsonlLog, drop_node_local_copy, local_dir_for, read_jsonl, upload_dir
 
 METRICS = "metrics.jsonl"
 TENSORBOARD = "tensorboard"
@@ -53,7 +53,8 @@ class MetricsRecorder(UserCallback):
     """Appends rank 0's reported metrics to ``<run>/metrics.jsonl`` and TensorBoard in ``<run>/tensorboard``.
 
     On object storage both are uploaded every ``UPLOAD_EVERY_S``, with every checkpoint (so a driver
-    killed outright loses only reports that its resume redoes), at the last step and after a failure.
+    killed outright loses only reports that its resume redoes), at the last step and after a failure;
+    their node-local copies are deleted after the last step's upload.
     """
 
     UPLOAD_EVERY_S = 30.0
@@ -79,7 +80,9 @@ class MetricsRecorder(UserCallback):
                     writer.add_scalar(key, value, record["step"])
             writer.flush()
         due = time.monotonic() - self._uploaded >= self.UPLOAD_EVERY_S
-        if due or "checkpoint" in record or record["step"] >= self.max_steps:
+        if record["step"] >= self.max_steps:
+            self._close()
+        elif due or "checkpoint" in record:
             self._upload()
 
     def after_exception(self, run_context, worker_exceptions) -> None:
@@ -91,6 +94,15 @@ class MetricsRecorder(UserCallback):
         if self._writer is not None:
             upload_dir(self._tensorboard_dir, storage.join(self.run_uri, TENSORBOARD))
         self._uploaded = time.monotonic()
+
+    def _close(self) -> None:
+        """Upload, and delete this node's copies at the run's end (a later report would open them again)."""
+        if self._writer is not None:
+            self._writer.close()
+        self._upload()
+        self._log.close()
+        drop_node_local_copy(storage.join(self.run_uri, TENSORBOARD))
+        self._log, self._writer = None, None
 
     def _tensorboard(self):
         if self._writer is None:

@@ -3,11 +3,13 @@
 Local storage is appended to in place. Object storage has no append: the writer keeps a node-local copy,
 started from what the run's storage already holds (a writer on another node, such as rank 0 after a
 restart, continues the file), and uploads it whole when the caller flushes (the metrics recorder every
-half minute and at the end, the sample log at each checkpoint and at the end).
+half minute and at the end, the sample log at each checkpoint and at the end). At the end the copy is deleted:
+a node that outlives many runs keeps none of their side files.
 """
 
 import json
 import os
+import shutil
 from typing import Any
 
 from train import storage
@@ -16,6 +18,12 @@ from train import storage
 def node_local_copy(uri: str) -> str:
     """The path of this node's copy of a remote run file or directory."""
     return os.path.join(storage.node_local_dir("run-files", uri), os.path.basename(uri.rstrip("/")))
+
+
+def drop_node_local_copy(uri: str) -> None:
+    """Delete this node's copy of ``uri`` (nothing to do for local storage, where the run's file is the copy)."""
+    if not storage.is_local(uri):
+        shutil.rmtree(storage.node_local_dir("run-files", uri), ignore_errors=True)
 
 
 def local_path(uri: str) -> str:
@@ -44,6 +52,11 @@ class JsonlLog:
         if self.remote:
             with open(self.path, "rb") as f:
                 storage.write_bytes(self.uri, f.read())
+
+    def close(self) -> None:
+        """Flush, and delete this node's copy: a later ``JsonlLog(uri)`` starts again from what ``uri`` holds."""
+        self.flush()
+        drop_node_local_copy(self.uri)
 
 
 def read_jsonl(uri: str) -> list[dict[str, Any]]:
