@@ -1,12 +1,11 @@
 """Side files of a run on object storage: appended on a node, visible when flushed, continued elsewhere."""
 
 import os
-import shutil
 import time
 
 import pytest
 
-from train.run_files import JsonlLog, node_local_copy, read_jsonl
+from train.run_files import JsonlLog, drop_node_local_copy, node_local_copy, read_jsonl
 
 pytestmark = pytest.mark.unit
 
@@ -22,7 +21,7 @@ def test_a_remote_log_is_uploaded_when_flushed_continued_by_a_writer_on_another_
     log.flush()
     assert read_jsonl(uri) == [{"step": 1}, {"step": 2}]
 
-    shutil.rmtree(node_local_copy(uri).rsplit("/", 1)[0])  # rank 0 restarts on another node
+    drop_node_local_copy(uri)  # rank 0 restarts on another node
     continued = JsonlLog(uri)
     continued.append({"step": 3})
     continued.close()  # the run's end

@@ -200,11 +200,11 @@ def universal_files_for_params(files: Iterable[str], params: Collection[str]) ->
     """Of a universal conversion's files, those that ranks reading the state of ``params`` read: the
     ``zero/<param>/`` files of those parameters and every file outside a parameter's folder."""
 
-    def param_of(name: str) -> str | None:
+    def read(name: str) -> bool:
         parts = name.split("/")
-        return parts[1] if len(parts) == 3 and parts[0] == "zero" else None
+        return not (len(parts) == 3 and parts[0] == "zero") or parts[1] in params
 
-    return [name for name in files if param_of(name) in (None, *params)]
+    return [name for name in files if read(name)]
 
 
 def _params_with_optimizer_state_here(engine) -> set[str] | None:

@@ -98,10 +98,10 @@ class MetricsRecorder(UserCallback):
     def _close(self) -> None:
         """Upload, and delete this node's copies at the run's end (a later report would open them again)."""
         if self._writer is not None:
-            self._writer.close()
+            self._writer.close()  # writes its last events before the upload
         self._upload()
-        self._log.close()
-        drop_node_local_copy(storage.join(self.run_uri, TENSORBOARD))
+        for side_file in (METRICS, TENSORBOARD):
+            drop_node_local_copy(storage.join(self.run_uri, side_file))
         self._log, self._writer = None, None
 
     def _tensorboard(self):

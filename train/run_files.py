@@ -38,6 +38,7 @@ class JsonlLog:
         self.uri = uri
         self.remote = not storage.is_local(uri)
         self.path = local_path(uri)
+        self._unflushed = False  # appended to since the last upload
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         if self.remote:
             with open(self.path, "wb") as f:
@@ -46,12 +47,14 @@ class JsonlLog:
     def append(self, record: dict[str, Any]) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        self._unflushed = True
 
     def flush(self) -> None:
-        """Make everything appended so far visible at ``uri``."""
-        if self.remote:
+        """Make everything appended so far visible at ``uri`` (an upload only if something was appended)."""
+        if self.remote and self._unflushed:
             with open(self.path, "rb") as f:
                 storage.write_bytes(self.uri, f.read())
+        self._unflushed = False
 
     def close(self) -> None:
         """Flush, and delete this node's copy: a later ``JsonlLog(uri)`` starts again from what ``uri`` holds."""
