@@ -1,10 +1,14 @@
 """Shared fixtures: one private Ray per test session, one small prepared corpus, one S3 server."""
 
+import contextlib
+import logging
 import os
 import shutil
 import socket
 import sysconfig
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,29 +39,59 @@ S3_BUCKET = "raywright-test"
 CORPUS_PACKAGES = ("json", "email", "http", "logging")
 
 
+class S3Server:
+    """moto's S3 server on 127.0.0.1, on a port the OS picks, which a test can take down for a while: its
+    buckets live in this process's moto backends, so they outlast a ``stop``."""
+
+    def __init__(self):
+        self.port = 0
+        self.start()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        from moto.server import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+        from werkzeug.serving import make_server
+
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request
+        app = DomainDispatcherApplication(create_backend_app)
+        self._http = make_server("127.0.0.1", self.port, app, threaded=True, request_handler=MotoRequestHandler)
+        self.port = self._http.server_port
+        threading.Thread(target=self._http.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        """Down: connections are refused, as where storage cannot be reached."""
+        self._http.shutdown()
+        self._http.server_close()
+
+    @contextlib.contextmanager
+    def outage(self) -> Iterator[None]:
+        """Down inside the block, up again after it."""
+        self.stop()
+        try:
+            yield
+        finally:
+            self.start()
+
+
 @pytest.fixture(scope="session")
-def s3_server() -> str | None:
-    """A moto S3 server on 127.0.0.1 for the session, on a port the OS picks when it starts; its endpoint
-    and fake credentials go into the environment, which every Ray started later inherits (pyarrow and
-    boto3 both read them). None where moto is not installed (a GPU machine given only what the gpu tests
-    need): the tests that use S3 then skip."""
+def s3_server() -> Iterator[S3Server | None]:
+    """An S3 server for the session; its endpoint and fake credentials go into the environment, which
+    every Ray started later inherits (pyarrow and boto3 both read them). None where moto is not installed
+    (a GPU machine given only what the gpu tests need): the tests that use S3 then skip."""
     try:
-        from moto.server import ThreadedMotoServer
+        import moto.server  # noqa: F401
     except ImportError:
         yield None
         return
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
+    server = S3Server()
     os.environ.update(
-        AWS_ENDPOINT_URL_S3=endpoint,
+        AWS_ENDPOINT_URL_S3=server.endpoint,
         AWS_ACCESS_KEY_ID="testing",
         AWS_SECRET_ACCESS_KEY="testing",
         AWS_DEFAULT_REGION="us-east-1",
     )
-    yield endpoint
+    yield server
     server.stop()
 
 

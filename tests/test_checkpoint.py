@@ -85,6 +85,23 @@ def test_a_remote_runs_checkpoint_clears_the_shards_a_killed_upload_left_on_the_
     assert list(staging.iterdir()) == []  # neither the leftover nor this checkpoint's own staging
 
 
+def test_a_checkpoint_whose_metadata_storage_cannot_take_does_not_count(process_group, s3_server, s3_bucket):
+    cfg = load_config("tiny")
+    engine = build_engine(cfg, GPT(cfg.model), world_size=1)
+    run_uri = f"{s3_bucket}/metadata-outage-{time.time_ns()}"
+    for step in (5, 10):
+        pending = checkpoint.begin_save(engine, run_uri, step, {"world_size": 1})
+        assert checkpoint.written(pending, wait=True)
+        if step == 5:
+            checkpoint.finish_save(pending, keep_last=1, tokenizer=ByteTokenizer())
+    with (
+        s3_server.outage(),
+        pytest.raises(checkpoint.CheckpointWriteError, match=r"step_00000010 .* \(rank 0: OSError"),
+    ):
+        checkpoint.finish_save(pending, keep_last=1, tokenizer=ByteTokenizer())
+    assert checkpoint.latest_complete(run_uri)["step"] == 5  # and it is kept: keep_last counts complete ones
+
+
 def test_a_resume_at_the_saved_size_downloads_only_this_machines_shards(process_group, s3_bucket, caplog):
     """Each machine fetches its own ranks' ZeRO shards and the shared files, not every rank's optimizer state."""
     names = ["mp_rank_00_model_states.pt", "tokenizer.json", "zero_to_fp32.py"]

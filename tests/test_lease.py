@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+from ray._common.test_utils import wait_for_condition
 
 from train import storage
 from train.lease import LEASE, Lease, RunOwnedError
@@ -72,3 +73,16 @@ def test_a_driver_that_lost_its_lease_stops(tmp_path):
         signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - start < 5
     assert json.loads(storage.read_bytes(storage.join(run_uri, LEASE)))["token"] == "someone-else"  # not ours
+
+
+def test_a_driver_keeps_its_lease_through_a_storage_outage(s3_server, s3_bucket, capfd):
+    """Renewals that fail while storage is down are retried; only a lease found in another's hands stops a run."""
+    lease_uri = f"{s3_bucket}/lease-{time.time_ns()}/run/{LEASE}"
+    with Lease(os.path.dirname(lease_uri), stale_after_s=1.0) as lease:  # a beat every 0.2 s
+        with s3_server.outage():
+            time.sleep(8)  # a failed renewal takes pyarrow ~6 s of retries
+        beat = storage.read_json(lease_uri)["heartbeat"]
+        wait_for_condition(lambda: storage.read_json(lease_uri)["heartbeat"] > beat, timeout=15)
+        assert storage.read_json(lease_uri)["token"] == lease.token
+    assert "could not renew the lease" in capfd.readouterr().err
+    assert not storage.exists(lease_uri)  # released

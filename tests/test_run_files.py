@@ -1,10 +1,13 @@
-"""Side files of a run on object storage: appended on a node, visible when flushed, continued elsewhere."""
+"""Side files of a run on object storage: appended on a node, visible when flushed, continued elsewhere,
+kept through a storage outage."""
 
 import os
 import time
 
 import pytest
 
+from train import storage
+from train.metrics import METRICS, MetricsRecorder, read_metrics
 from train.run_files import JsonlLog, drop_node_local_copy, node_local_copy, read_jsonl
 
 pytestmark = pytest.mark.unit
@@ -34,3 +37,31 @@ def test_a_local_log_is_appended_in_place(tmp_path):
     JsonlLog(uri).append({"step": 1})
     JsonlLog(uri).append({"step": 2})
     assert read_jsonl(uri) == [{"step": 1}, {"step": 2}]
+
+
+def test_a_log_whose_storage_is_down_keeps_every_record_until_an_upload_succeeds(s3_server, s3_bucket, caplog):
+    uri = f"{s3_bucket}/run-files-{time.time_ns()}/samples.jsonl"
+    log = JsonlLog(uri)
+    log.append({"step": 1})
+    assert log.flush()
+    log.append({"step": 2})
+    with s3_server.outage():
+        log.close()  # the run's end: logged, not raised (side files never stop a run); the node's copy stays
+    assert "could not upload" in caplog.text and f"{log.path} keeps the records" in caplog.text
+    assert read_jsonl(uri) == [{"step": 1}]
+    log.close()  # storage is back
+    assert read_jsonl(uri) == [{"step": 1}, {"step": 2}]
+    assert not os.path.exists(log.path)
+
+
+def test_a_run_goes_on_through_failed_metrics_uploads_and_loses_no_report(s3_server, s3_bucket, caplog):
+    """Ray Train ends a run whose callback raises; an upload that fails is retried at the next instead."""
+    run_uri = f"{s3_bucket}/metrics-{time.time_ns()}"
+    recorder = MetricsRecorder(run_uri, max_steps=3, upload_every_s=30)
+    recorder.after_report(None, [{"step": 1, "loss": 3.0}], None)
+    with s3_server.outage():
+        recorder.after_report(None, [{"step": 2, "loss": 2.0, "checkpoint": "step_2"}], None)  # uploads: fails
+    assert "could not upload" in caplog.text
+    recorder.after_report(None, [{"step": 3, "loss": 1.0}], None)  # the last: uploads every report
+    assert [m["step"] for m in read_metrics(run_uri)] == [1, 2, 3]
+    assert not os.path.exists(storage.node_local_dir("run-files", f"{run_uri}/{METRICS}"))

@@ -78,6 +78,10 @@ def latest_complete(run_uri: str) -> dict[str, Any] | None:
     return None
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (raised on every rank alike); it does not count."""
+
+
 @dataclass
 class PendingCheckpoint:
     """A checkpoint whose files are being written; it counts once ``finish_save`` has written its metadata."""
@@ -89,6 +93,7 @@ class PendingCheckpoint:
     started: float
     writer: BackgroundWriter | None  # None: the files were written before ``begin_save`` returned
     device: torch.device
+    error: BaseException | None = None  # this rank's failure outside the writer: it fails the checkpoint
 
 
 def begin_save(engine, run_uri: str, step: int, metadata: dict[str, Any]) -> PendingCheckpoint:
@@ -102,8 +107,13 @@ def begin_save(engine, run_uri: str, step: int, metadata: dict[str, Any]) -> Pen
     uri = checkpoint_uri(run_uri, step)
     tag = os.path.basename(uri)
     remote = not storage.is_local(run_uri)
-    if dist.get_rank() == 0 and storage.exists(uri):
-        storage.delete_dir(uri)  # shards of another world size must not be listed, or converted, as this one's
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            if storage.exists(uri):
+                storage.delete_dir(uri)  # shards of another world size must not be listed, or converted, as this one's
+        except OSError as exc:  # storage unreachable: the files are still written (DeepSpeed's save is collective)
+            error = exc
     staging_dirs = staging_root(run_uri) if remote else None
     if staging_dirs and _first_on_node():
         # What a worker killed mid-upload left here; the run's previous checkpoint is written on every rank.
@@ -119,8 +129,11 @@ def begin_save(engine, run_uri: str, step: int, metadata: dict[str, Any]) -> Pen
     if writer:
         writer.start(then=upload)
     else:
-        upload()
-    return PendingCheckpoint(run_uri, uri, step, metadata, started, writer, engine.device)
+        try:
+            upload()
+        except OSError as exc:
+            error = error or exc
+    return PendingCheckpoint(run_uri, uri, step, metadata, started, writer, engine.device, error)
 
 
 def staging_root(run_uri: str) -> str:
@@ -144,29 +157,59 @@ def _upload_staged(staging: str, tag: str, uri: str) -> None:
 def written(pending: PendingCheckpoint, wait: bool) -> bool:
     """Whether every rank has written its files (a collective; waits for this rank's if ``wait``).
 
-    Raises on every rank if one rank's write failed, so all leave their collectives together.
+    Once no rank is still writing, raises ``CheckpointWriteError`` on every rank if one rank's write
+    failed, naming each failure, so all leave their collectives together.
     """
     writer = pending.writer
-    mine = 1 if writer is None or writer.done(wait) else 0
-    if writer is not None and writer.error is not None:
-        mine = -1
-    status = torch.tensor([mine], device=pending.device)
-    dist.all_reduce(status, op=dist.ReduceOp.MIN)
-    if status.item() < 0:
-        raise RuntimeError(f"writing checkpoint {pending.uri} failed on a worker") from (writer and writer.error)
-    return status.item() == 1
+    writing = 0 if writer is None or writer.done(wait) else 1
+    error = pending.error or (writer.error if writer is not None and not writing else None)
+    counts = torch.tensor([writing, 1 if error else 0], device=pending.device)
+    dist.all_reduce(counts)
+    still_writing, failed = counts.tolist()
+    if still_writing:
+        return False
+    if failed:
+        failures: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(failures, _describe(error))
+        _raise_write_error(pending.uri, failures, error)
+    return True
+
+
+def _describe(error: BaseException | None) -> str | None:
+    return f"{type(error).__name__}: {error}" if error else None
+
+
+def _raise_write_error(uri: str, failures: list[str | None], cause: BaseException | None) -> None:
+    causes = "; ".join(f"rank {rank}: {failure}" for rank, failure in enumerate(failures) if failure)
+    raise CheckpointWriteError(f"checkpoint {uri} could not be written ({causes[:2000]})") from cause
 
 
 def finish_save(pending: PendingCheckpoint, keep_last: int, tokenizer: BPETokenizer) -> None:
     """Make a written checkpoint count (every rank, once ``written``): rank 0 adds the tokenizer and
-    writes ``metadata.json`` listing every file's size, then keeps the newest ``keep_last``."""
+    writes ``metadata.json`` listing every file's size, then keeps the newest ``keep_last``.
+
+    Raises ``CheckpointWriteError`` on every rank if rank 0 could not write the metadata (storage
+    unreachable); the checkpoint then does not count. Old checkpoints that could not be deleted are
+    deleted after the next one.
+    """
+    error = None
     if dist.get_rank() == 0:
-        save_tokenizer(tokenizer, pending.uri)
-        files = _file_sizes(pending.uri)
-        metadata = {**pending.metadata, "step": pending.step, "files": files, "time": pending.started}
-        storage.write_json(storage.join(pending.uri, METADATA), metadata)
-        prune(pending.run_uri, keep_last)
-    dist.barrier()
+        try:
+            save_tokenizer(tokenizer, pending.uri)
+            files = _file_sizes(pending.uri)
+            metadata = {**pending.metadata, "step": pending.step, "files": files, "time": pending.started}
+            storage.write_json(storage.join(pending.uri, METADATA), metadata)
+        except OSError as exc:
+            error = exc
+        else:
+            try:
+                prune(pending.run_uri, keep_last)
+            except OSError as exc:
+                logger.warning("could not delete old checkpoints (retried after the next one): %s", exc)
+    outcome = [_describe(error)]
+    dist.broadcast_object_list(outcome)  # also what the other ranks wait for
+    if outcome[0]:
+        _raise_write_error(pending.uri, outcome, error)
 
 
 def prune(run_uri: str, keep_last: int) -> None:

@@ -158,6 +158,9 @@ class CheckpointConfig(Section):
     """Write checkpoint files (and upload them) on a background thread while training goes on; training
     waits only for a host copy of the state. The checkpoint counts once every worker's files are written;
     one is in flight at a time; a pre-emption's checkpoints and the last one are waited for."""
+    failures_tolerated: int = Field(3, ge=0)
+    """Checkpoints in a row that may fail to be written (storage unreachable, a full disk) while training goes on;
+    the next failure, or a failure of the run's last checkpoint, stops the run with the error."""
     preemption_check_s: float = Field(5.0, gt=0.0)
     """How often to ask Ray whether a node is being pre-empted (a round trip through Ray Train, ~11 ms,
     and a broadcast); Ray itself learns of a drain every 5 s, so asking more often finds nothing sooner."""
@@ -189,6 +192,9 @@ class RunConfig(Section):
     profile_steps: list[int] = []
     """[first, last]: profile these optimizer steps with torch.profiler on every rank (a Chrome trace each in
     <run>/profile/; rank 0 prints the top ops and how busy the device was); [] = no profiling."""
+    side_files_upload_s: float = Field(30.0, gt=0.0)
+    """On object storage, seconds between uploads of metrics.jsonl and TensorBoard (also uploaded with every
+    checkpoint and at the end; the node keeps them meanwhile, and through a failed upload)."""
     lease_stale_after_s: float = Field(300.0, ge=10.0)
     """A run is refused while another driver holds its lease (<run>/lease.json); a lease without
     heartbeat for this long, or held by a process of this host that has exited, is taken over."""

@@ -189,7 +189,7 @@ def build_trainer(
             storage_path=storage.absolute(cfg.run.storage_path),
             # Pre-emptions are routine on spot nodes: unlimited; real failures are bounded.
             failure_config=FailureConfig(max_failures=scaling.max_failures, max_preemption_failures=-1),
-            callbacks=[MetricsRecorder(run_uri(cfg), cfg.optim.max_steps), *callbacks],
+            callbacks=[MetricsRecorder(run_uri(cfg), cfg.optim.max_steps, cfg.run.side_files_upload_s), *callbacks],
             worker_runtime_env={"env_vars": train_worker_env()},  # read at a worker process's start
         ),
         torch_config=TorchConfig(backend="nccl" if scaling.use_gpu else "gloo"),

@@ -58,7 +58,9 @@ class Lease:
     """Hold ``<run_uri>/lease.json`` while training: ``with Lease(run_uri, stale_after_s): ...``.
 
     A heartbeat thread renews it every ``stale_after_s / 5`` s; if it finds the lease taken over (this
-    driver was stale, e.g. paused), it interrupts the main thread, which stops the run like Ctrl-C.
+    driver was stale, e.g. paused), it interrupts the main thread, which stops the run like Ctrl-C. A
+    renewal that fails (storage unreachable) is retried at the next beat: four in a row may fail before
+    the lease goes stale, and only a lease found in another's hands stops the run.
     """
 
     def __init__(self, run_uri: str, stale_after_s: float):
@@ -96,22 +98,31 @@ class Lease:
 
     def _renew_until_stopped(self) -> None:
         while not self._stop.wait(self.stale_after_s / 5):
-            holder = self.holder()
-            if holder is None or holder.token != self.token:
-                taker = holder.describe(time.time()) if holder else "none: the lease file was deleted"
-                print(f"error: this driver lost the lease of its run to another ({taker}); stopping", file=sys.stderr)
-                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # as Ctrl-C would
-                return
-            storage.write_json(self.uri, asdict(self._me()))
+            try:
+                holder = self.holder()
+                if holder is not None and holder.token == self.token:
+                    storage.write_json(self.uri, asdict(self._me()))
+                    continue
+            except OSError as exc:
+                print(f"warning: could not renew the lease {self.uri} (retried next beat): {exc}", file=sys.stderr)
+                continue
+            taker = holder.describe(time.time()) if holder else "none: the lease file was deleted"
+            print(f"error: this driver lost the lease of its run to another ({taker}); stopping", file=sys.stderr)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # as Ctrl-C would
+            return
 
     def release(self) -> None:
-        """Stop the heartbeat and delete the lease, if it is still ours."""
+        """Stop the heartbeat and delete the lease, if it is still ours (where storage cannot be reached, the
+        lease is left to go stale: a later driver on this host takes it over at once)."""
         self._stop.set()
         if self._heartbeat is not None:
             self._heartbeat.join()
-        holder = self.holder()
-        if holder is not None and holder.token == self.token:
-            storage.delete_file(self.uri)
+        try:
+            holder = self.holder()
+            if holder is not None and holder.token == self.token:
+                storage.delete_file(self.uri)
+        except OSError as exc:
+            print(f"warning: could not release the lease {self.uri}: {exc}", file=sys.stderr)
 
     def __enter__(self) -> "Lease":
         self.acquire()

@@ -173,6 +173,8 @@ class Trainer:
         self.answered_until = latest["time"] if latest else self.startup["entered"]
         self.save_seconds = 0.0  # from the start of the latest checkpoint until it counted
         self.pending: checkpoint.PendingCheckpoint | None = None  # a checkpoint being written, at most one
+        self.answered_before_pending = self.answered_until  # what a failure of the pending checkpoint restores
+        self.failed_checkpoints = 0  # in a row
         self.stall_seconds = 0.0  # the training thread's time in the pending checkpoint
         self.profiler = StepProfiler(cfg.run.profile_steps, self.run_uri, self.rank, self.engine.device)
 
@@ -372,6 +374,7 @@ class Trainer:
         }
         self.pending = checkpoint.begin_save(self.engine, self.run_uri, step, metadata)
         self.stall_seconds = time.time() - start
+        self.answered_before_pending = self.answered_until
         self.last_save = self.answered_until = start  # requests made before it are answered by it
         if self.timeline and reason == "preemption":
             self.timeline.preemption_notice.remote()
@@ -383,13 +386,19 @@ class Trainer:
         """Make the pending checkpoint count once every rank has written it (waiting for that if ``wait``);
         returns its metrics then, else nothing."""
         start, pending = time.time(), self.pending
-        counts = checkpoint.written(pending, wait)
-        if counts:
-            checkpoint.finish_save(pending, self.cfg.checkpoint.keep_last, self.tokenizer)
-        self.stall_seconds += time.time() - start
+        try:
+            counts = checkpoint.written(pending, wait)
+            if counts:
+                checkpoint.finish_save(pending, self.cfg.checkpoint.keep_last, self.tokenizer)
+        except checkpoint.CheckpointWriteError as failure:
+            self.pending = None
+            return self._checkpoint_failed(pending, failure)
+        finally:
+            self.stall_seconds += time.time() - start
         if not counts:
             return {}
         self.pending = None
+        self.failed_checkpoints = 0
         self.save_seconds = time.time() - pending.started
         if self.rank == 0:
             record_checkpoint(self.run_uri, pending.started)
@@ -403,6 +412,22 @@ class Trainer:
             "checkpoint_s": self.save_seconds,
             "checkpoint_stall_s": self.stall_seconds,
         }
+
+    def _checkpoint_failed(self, pending: checkpoint.PendingCheckpoint, failure: Exception) -> dict[str, Any]:
+        """Train on past a checkpoint that could not be written (storage may be back for the next one), unless it
+        was the run's last or ``checkpoint.failures_tolerated`` failed in a row before it: then raise (every rank)."""
+        self.failed_checkpoints += 1
+        tolerated = self.cfg.checkpoint.failures_tolerated
+        if pending.step == self.cfg.optim.max_steps or self.failed_checkpoints > tolerated:
+            raise failure
+        self.answered_until = self.answered_before_pending  # an early-checkpoint request it answered is asked again
+        if self.rank == 0:
+            print(
+                f"warning: {failure}; training goes on (failed in a row: {self.failed_checkpoints} of "
+                f"{tolerated} tolerated by checkpoint.failures_tolerated)",
+                flush=True,
+            )
+        return {"step": self.step, "checkpoint_failed": pending.uri}
 
     def _evaluate(self) -> dict[str, float]:
         val_loss = evaluate(self.engine, self.val_rows, self.cfg.optim.micro_batch_size)

@@ -5,6 +5,8 @@ appends every report to ``<run>/metrics.jsonl`` and, when the ``tensorboard`` ex
 installed, to TensorBoard event files in ``<run>/tensorboard``, wherever the run lives.
 """
 
+import functools
+import logging
 import resource
 import time
 from typing import Any
@@ -13,10 +15,12 @@ import torch
 from ray.train.v2.api.callback import UserCallback
 
 from train import storage
-from train.run_files import JsonlLog, drop_node_local_copy, local_dir_for, read_jsonl, upload_dir
+from train.run_files import JsonlLog, drop_node_local_copy, local_dir_for, read_jsonl, try_upload, upload_dir
 
 METRICS = "metrics.jsonl"
 TENSORBOARD = "tensorboard"
+
+logger = logging.getLogger(__name__)
 
 # Dense bf16 peak TFLOP/s per device, by a substring of torch.cuda.get_device_name().
 GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
@@ -52,16 +56,16 @@ def format_progress(m: dict[str, Any], max_steps: int) -> str:
 class MetricsRecorder(UserCallback):
     """Appends rank 0's reported metrics to ``<run>/metrics.jsonl`` and TensorBoard in ``<run>/tensorboard``.
 
-    On object storage both are uploaded every ``UPLOAD_EVERY_S``, with every checkpoint (so a driver
+    On object storage both are uploaded every ``upload_every_s``, with every checkpoint (so a driver
     killed outright loses only reports that its resume redoes), at the last step and after a failure;
-    their node-local copies are deleted after the last step's upload.
+    their node-local copies are deleted after the last step's upload. An upload that fails is logged and
+    retried at the next: an exception here would end the run (Ray Train does not retry a callback's).
     """
 
-    UPLOAD_EVERY_S = 30.0
-
-    def __init__(self, run_uri: str, max_steps: int):
+    def __init__(self, run_uri: str, max_steps: int, upload_every_s: float):
         self.run_uri = run_uri
         self.max_steps = max_steps
+        self.upload_every_s = upload_every_s
         self._log: JsonlLog | None = None  # opened where the callback runs (Ray Train's controller)
         self._writer = None
         self._tensorboard_dir = ""
@@ -79,7 +83,7 @@ class MetricsRecorder(UserCallback):
                 if isinstance(value, (int, float)) and key != "step":
                     writer.add_scalar(key, value, record["step"])
             writer.flush()
-        due = time.monotonic() - self._uploaded >= self.UPLOAD_EVERY_S
+        due = time.monotonic() - self._uploaded >= self.upload_every_s
         if record["step"] >= self.max_steps:
             self._close()
         elif due or "checkpoint" in record:
@@ -89,19 +93,26 @@ class MetricsRecorder(UserCallback):
         if self._log is not None:
             self._upload()
 
-    def _upload(self) -> None:
-        self._log.flush()
+    def _upload(self) -> bool:
+        """Upload both; returns whether both are uploaded (a failure is logged)."""
+        uploaded = self._log.flush()
         if self._writer is not None:
-            upload_dir(self._tensorboard_dir, storage.join(self.run_uri, TENSORBOARD))
+            tensorboard = storage.join(self.run_uri, TENSORBOARD)
+            upload = functools.partial(upload_dir, self._tensorboard_dir, tensorboard)
+            uploaded = try_upload(upload, tensorboard, self._tensorboard_dir) and uploaded
         self._uploaded = time.monotonic()
+        return uploaded
 
     def _close(self) -> None:
-        """Upload, and delete this node's copies at the run's end (a later report would open them again)."""
+        """Upload, and delete this node's copies at the run's end (a later report would open them again);
+        where the upload failed, the copies stay (logged)."""
         if self._writer is not None:
             self._writer.close()  # writes its last events before the upload
-        self._upload()
-        for side_file in (METRICS, TENSORBOARD):
-            drop_node_local_copy(storage.join(self.run_uri, side_file))
+        if self._upload():
+            for side_file in (METRICS, TENSORBOARD):
+                drop_node_local_copy(storage.join(self.run_uri, side_file))
+        else:
+            logger.warning("not all side files of %s were uploaded: this node keeps them", self.run_uri)
         self._log, self._writer = None, None
 
     def _tensorboard(self):

@@ -3,16 +3,21 @@
 Local storage is appended to in place. Object storage has no append: the writer keeps a node-local copy,
 started from what the run's storage already holds (a writer on another node, such as rank 0 after a
 restart, continues the file), and uploads it whole when the caller flushes (the metrics recorder every
-half minute and at the end, the sample log at each checkpoint and at the end). At the end the copy is deleted:
-a node that outlives many runs keeps none of their side files.
-"""
+``run.side_files_upload_s`` and at the end, the sample log at each checkpoint and at the end). An upload
+that fails (storage unreachable) is logged and left to the next flush: side files never stop a run, and
+the node's copy holds everything meanwhile. At the end the copy is deleted once uploaded: a node that
+outlives many runs keeps none of their side files."""
 
 import json
+import logging
 import os
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 from train import storage
+
+logger = logging.getLogger(__name__)
 
 
 def node_local_copy(uri: str) -> str:
@@ -49,17 +54,33 @@ class JsonlLog:
             f.write(json.dumps(record) + "\n")
         self._unflushed = True
 
-    def flush(self) -> None:
-        """Make everything appended so far visible at ``uri`` (an upload only if something was appended)."""
+    def flush(self) -> bool:
+        """Make everything appended so far visible at ``uri`` (an upload only if something was appended); returns
+        whether it is. A failed upload is logged, and the next flush uploads everything again."""
         if self.remote and self._unflushed:
             with open(self.path, "rb") as f:
-                storage.write_bytes(self.uri, f.read())
+                if not try_upload(lambda: storage.write_bytes(self.uri, f.read()), self.uri, self.path):
+                    return False
         self._unflushed = False
+        return True
 
     def close(self) -> None:
-        """Flush, and delete this node's copy: a later ``JsonlLog(uri)`` starts again from what ``uri`` holds."""
-        self.flush()
-        drop_node_local_copy(self.uri)
+        """Flush, and delete this node's copy once uploaded: a later ``JsonlLog(uri)`` starts again from what
+        ``uri`` holds. Where the upload failed, the copy stays, the only one with every record (logged)."""
+        if self.flush():
+            drop_node_local_copy(self.uri)
+        else:
+            logger.warning("%s keeps the records %s lacks", self.path, self.uri)
+
+
+def try_upload(upload: Callable[[], None], uri: str, local: str) -> bool:
+    """Run ``upload`` of ``local`` to ``uri``; an OSError (storage unreachable) is logged, not raised."""
+    try:
+        upload()
+    except OSError as exc:
+        logger.warning("could not upload %s to %s (retried at the next upload): %s", local, uri, exc)
+        return False
+    return True
 
 
 def read_jsonl(uri: str) -> list[dict[str, Any]]:

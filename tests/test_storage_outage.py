@@ -1,0 +1,94 @@
+"""Training goes on while the run's storage cannot be reached (a moto S3 server taken down), and loses nothing:
+checkpoints that fail do not count and are retried, side files are uploaded once storage is back, the lease
+is kept; only storage that stays down past ``checkpoint.failures_tolerated`` failed checkpoints stops a run."""
+
+import threading
+import time
+
+import pytest
+from ray._common.test_utils import wait_for_condition
+
+from train import checkpoint, storage
+from train.config import load_config
+from train.data import load_manifest
+from train.launch import ELASTIC_SUMMARY, loop_args, run_training, run_uri
+from train.lease import LEASE
+from train.loop import train_loop
+from train.metrics import read_metrics
+from train.timeline import progress_of
+
+pytestmark = pytest.mark.cluster
+
+
+def _config(dataset: str, bucket: str, *overrides: str):
+    where = [f"data.path={dataset}", f"run.storage_path={bucket}/outage-{time.time_ns()}"]
+    return load_config("tiny", [*where, "run.eval_every=1000", *overrides])
+
+
+def test_a_run_trains_through_a_storage_outage_and_loses_nothing(ray_session, s3_server, s3_bucket, tiny_dataset):
+    cfg = _config(
+        tiny_dataset,
+        s3_bucket,
+        "run.name=outage",
+        "optim.max_steps=150",
+        "run.log_every=5",
+        "checkpoint.every_steps=10",
+        "checkpoint.failures_tolerated=100",
+        "checkpoint.keep_last=2",
+        "run.side_files_upload_s=2",
+        "run.lease_stale_after_s=10",
+    )
+    run = run_uri(cfg)
+    result = []
+    thread = threading.Thread(target=lambda: result.append(run_training(cfg)))
+    thread.start()
+    wait_for_condition(lambda: progress_of(cfg.run.name)["step"] >= 25, timeout=180)  # checkpoints 10 and 20 count
+    with s3_server.outage():
+        reached = progress_of(cfg.run.name)["step"]
+        time.sleep(15)  # metrics uploads, checkpoints and lease renewals fail meanwhile
+        assert progress_of(cfg.run.name)["step"] > reached  # training went on
+    thread.join(timeout=300)
+
+    assert result and result[0].steps == 150
+    assert len(result[0].elastic["world_size_timeline"]) == 1  # no restart
+    reports = read_metrics(run)
+    assert [m["step"] for m in reports if "loss" in m] == [1, *range(5, 151, 5)]  # every report, once
+    failed = [m["checkpoint_failed"] for m in reports if "checkpoint_failed" in m]
+    assert failed, "no checkpoint failed: the outage missed them"
+    counted = [m["checkpoint"] for m in reports if "checkpoint" in m]
+    kept = [name for name in storage.list_dir(f"{run}/{checkpoint.CHECKPOINTS}") if name.startswith("step_")]
+    assert kept == [uri.rsplit("/", 1)[1] for uri in counted[-2:]]  # keep_last 2; the failed ones' files deleted
+    assert checkpoint.latest_complete(run)["step"] == 150
+    assert storage.exists(f"{run}/{ELASTIC_SUMMARY}") and not storage.exists(f"{run}/{LEASE}")
+
+
+def test_a_run_whose_storage_stays_down_stops_after_the_failed_checkpoints_it_tolerates(
+    ray_session, process_group, s3_server, s3_bucket, tiny_dataset
+):
+    """The training loop as a one-rank sweep trial runs it: storage goes down after the first checkpoint."""
+    cfg = _config(
+        tiny_dataset,
+        s3_bucket,
+        "run.name=down",
+        "scaling.num_workers=1",
+        "optim.max_steps=100",
+        "run.log_every=1",
+        "checkpoint.every_steps=5",
+        "checkpoint.failures_tolerated=1",
+    )
+    reports = []
+
+    def report(metrics: dict) -> None:
+        reports.append(metrics)
+        if "checkpoint" in metrics:
+            s3_server.stop()
+
+    try:
+        with pytest.raises(checkpoint.CheckpointWriteError, match=r"step_000000\d\d could not be written \(rank 0"):
+            train_loop(loop_args(cfg, tiny_dataset, load_manifest(tiny_dataset)), report, preemption_info=lambda: None)
+    finally:
+        s3_server.start()
+    failed = [m for m in reports if "checkpoint_failed" in m]
+    assert len(failed) == 1 and failed[0]["checkpoint_failed"].endswith("step_00000010")  # tolerated
+    assert max(m["step"] for m in reports) > 15  # trained on past it, and past the next attempt
+    assert checkpoint.latest_complete(run_uri(cfg))["step"] == 5
