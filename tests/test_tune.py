@@ -227,6 +227,14 @@ def test_a_sweep_ends_once_its_step_budget_is_spent(ray_session, tiny_dataset, t
     assert_ended_trials_left_no_checkpoints(Path(result.path))
 
 
+def test_a_trial_that_diverges_ends_at_once_as_the_worst_result(ray_session, tiny_dataset, tmp_path):
+    """Its loss is NaN from step 2; reported as NaN, ASHA would never stop it and Optuna would learn nothing."""
+    result = short_sweep(tmp_path, "diverges", {"optim.lr": {"choice": [1e30]}}, num_trials=1)
+    (trial,) = result.trials.to_dict("records")
+    assert trial["val_loss"] == float("inf") and not trial["error"]  # not retried either: it would diverge again
+    assert trial["steps"] == 10  # its first loss report after step 1, not the 40 steps of the recipe
+
+
 def test_multi_worker_trials_run_deepspeed_on_ray_train_inside_tune(ray_session, tiny_dataset, tmp_path):
     """trial_workers: 2 -> every trial is a 2-worker Ray Train DeepSpeed job; two of them run at once."""
     space = {"deepspeed.zero_stage": {"choice": [1, 3]}, "optim.lr": {"loguniform": [1e-3, 1e-2]}}

@@ -24,12 +24,16 @@ def main(argv: list[str] | None = None) -> int:
     check_resume(cfg)
     from train.launch import run_training  # Ray: after the config is checked
     from train.lease import RunOwnedError
+    from train.loop import DivergedError
 
     try:
         summary = run_training(cfg, stop_on_sigterm=True)
     except RunOwnedError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except DivergedError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     elastic = summary.elastic
     lines = {
         "run": summary.run_dir,

@@ -22,7 +22,7 @@ from train.config import TrainConfig
 from train.data import dataset_path, load_manifest, manifest_sha256, prepare
 from train.export import export_uri
 from train.lease import Lease
-from train.loop import train_loop
+from train.loop import DivergedError, train_loop
 from train.metrics import MetricsRecorder, read_metrics
 from train.preflight import check_dataset_matches, cluster_address
 from train.scaling_policy import ElasticTorchTrainer
@@ -212,7 +212,8 @@ def ensure_dataset(cfg: TrainConfig) -> tuple[str, dict]:
 
 
 def run_training(cfg: TrainConfig, stop_on_sigterm: bool = False) -> RunSummary:
-    """Train ``cfg`` to completion (resuming the run of the same name if it exists), holding its lease.
+    """Train ``cfg`` to completion (resuming the run of the same name if it exists), holding its lease;
+    raises ``DivergedError`` where training diverged.
 
     ``stop_on_sigterm``: the command line's run, where ``ray job stop`` should abort gracefully.
     """
@@ -241,8 +242,11 @@ def _train_holding_lease(cfg: TrainConfig, stop_on_sigterm: bool) -> RunSummary:
     ray.kill(timeline)
     run = run_uri(cfg)
     storage.write_json(storage.join(run, ELASTIC_SUMMARY), elastic)
+    reports = read_metrics(run)
+    if reports and "diverged" in reports[-1]:
+        raise DivergedError(reports[-1]["diverged"], reports[-1]["step"])
     latest = checkpoint.latest_complete(run)
-    val_losses = [m["val_loss"] for m in read_metrics(run) if "val_loss" in m]
+    val_losses = [m["val_loss"] for m in reports if "val_loss" in m]
     return RunSummary(
         run_dir=run,
         checkpoint=latest["uri"] if latest else None,

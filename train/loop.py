@@ -113,6 +113,14 @@ def train_loop(
     Trainer(args, report, preemption_info).run()
 
 
+class DivergedError(RuntimeError):
+    """The training loss or the weights stopped being finite (on every rank alike, at ``step``)."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
+
 @dataclass
 class LossWindow:
     """Loss and step seconds summed since the last loss report (the loss on the device, read at the report)."""
@@ -202,12 +210,12 @@ class Trainer:
         self.grad_accum = self.engine.gradient_accumulation_steps()
         self.startup["engine_s"] = time.time() - mark
 
-        self.step = 0
+        self.step = self.newest_checkpoint_step = 0
         if latest is not None:
             mark = time.time()
             checkpoint.load(self.engine, latest, universal)
             self.startup["load_s"] = time.time() - mark
-            self.step = latest["step"]
+            self.step = self.newest_checkpoint_step = latest["step"]
             if self.rank == 0:
                 via = f", converted from {latest['world_size']} workers" if universal else ""
                 print(f"resumed from {latest['uri']} at step {self.step} on {world} workers{via}", flush=True)
@@ -247,12 +255,22 @@ class Trainer:
         )
 
     def run(self) -> None:
-        while self.step < self.cfg.optim.max_steps:
-            with self.profiler.step(self.step + 1):
-                my_rows, loss, seconds = self._train_step()
-            self._after_step(my_rows, loss, seconds)
-        if self.sample_log:
-            self.sample_log.close()
+        """Train to ``optim.max_steps`` and export; or, where training diverges, end with a ``diverged`` report
+        (every rank, at the same step), neither checkpointed nor exported: raised, Ray Train would restart the
+        run from its newest checkpoint, to diverge again."""
+        try:
+            while self.step < self.cfg.optim.max_steps:
+                with self.profiler.step(self.step + 1):
+                    my_rows, loss, seconds = self._train_step()
+                self._after_step(my_rows, loss, seconds)
+        except DivergedError as diverged:
+            if self.rank == 0:
+                print(f"error: {diverged}", flush=True)
+            self._report_fn({"step": diverged.step, "diverged": str(diverged), "time": time.time()})
+            return
+        finally:
+            if self.sample_log:
+                self.sample_log.close()
         provenance = {**self.args["provenance"], "step": self.step, "config": self.cfg.to_dict()}
         export_model(self.engine, self.cfg.model, self.tokenizer, export_uri(self.run_uri), provenance)
 
@@ -320,6 +338,8 @@ class Trainer:
         cfg, world = self.cfg, self.world
         # The same on every rank (an all-reduced time), so all ranks join the same checks.
         loss, step_time = self.loss_window.take(self.engine.device)
+        if not math.isfinite(loss):
+            raise self._diverged(f"the training loss up to step {self.step} is {loss}")
         tokens_per_s = cfg.optim.global_batch_size * cfg.model.seq_len / step_time
         self.preemption_check_every = max(1, round(cfg.checkpoint.preemption_check_s / step_time))
         peak = self.peak
@@ -361,6 +381,8 @@ class Trainer:
         near or the run ends: then it counts before training goes on.
         """
         cfg, step = self.cfg, self.step
+        if not self._weights_finite():
+            raise self._diverged(f"the weights after step {step} are not finite")
         metrics = self._settle_checkpoint(wait=True) if self.pending else {}  # one in flight at a time
         start = time.time()
         metadata = {
@@ -399,6 +421,7 @@ class Trainer:
             return {}
         self.pending = None
         self.failed_checkpoints = 0
+        self.newest_checkpoint_step = pending.step
         self.save_seconds = time.time() - pending.started
         if self.rank == 0:
             record_checkpoint(self.run_uri, pending.started)
@@ -412,6 +435,22 @@ class Trainer:
             "checkpoint_s": self.save_seconds,
             "checkpoint_stall_s": self.stall_seconds,
         }
+
+    def _weights_finite(self) -> bool:
+        """Whether every rank's weights are finite (a collective; ZeRO-3 keeps a rank's share in ``ds_tensor``)."""
+        weights = [getattr(p, "ds_tensor", p) for p in self.engine.module.parameters()]
+        finite = torch.stack([torch.isfinite(w).all() for w in weights]).all().to(torch.int32)
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        return bool(finite.item())
+
+    def _diverged(self, what: str) -> DivergedError:
+        """The run stops before a checkpoint could keep non-finite weights: its newest checkpoints stay good."""
+        newest = f"step {self.newest_checkpoint_step}" if self.newest_checkpoint_step else "none"
+        return DivergedError(
+            f"training diverged: {what}; stopped before a checkpoint kept it (newest checkpoint: {newest}). "
+            "Lower optim.lr or raise optim.warmup_steps and run again: it resumes from that checkpoint",
+            self.step,
+        )
 
     def _checkpoint_failed(self, pending: checkpoint.PendingCheckpoint, failure: Exception) -> dict[str, Any]:
         """Train on past a checkpoint that could not be written (storage may be back for the next one), unless it
@@ -431,6 +470,8 @@ class Trainer:
 
     def _evaluate(self) -> dict[str, float]:
         val_loss = evaluate(self.engine, self.val_rows, self.cfg.optim.micro_batch_size)
+        if not math.isfinite(val_loss):
+            raise self._diverged(f"the validation loss after step {self.step} is {val_loss}")
         return _val_metrics(val_loss, self.args["tokens_per_byte"])
 
     def _report(self, metrics: dict[str, Any]) -> None:

@@ -84,7 +84,7 @@ class MetricsRecorder(UserCallback):
                     writer.add_scalar(key, value, record["step"])
             writer.flush()
         due = time.monotonic() - self._uploaded >= self.upload_every_s
-        if record["step"] >= self.max_steps:
+        if record["step"] >= self.max_steps or "diverged" in record:  # the run's last report
             self._close()
         elif due or "checkpoint" in record:
             self._upload()

@@ -7,6 +7,7 @@ directory is named by the trial id, so a trial restarted after its node was lost
 after the sweep was restored, resumes from its last checkpoint instead of starting over.
 """
 
+import math
 import os
 import socket
 import time
@@ -55,7 +56,11 @@ def _free_port() -> int:
 
 def _evaluation(metrics: dict, start: float, node_id: str) -> dict | None:
     """What Tune sees of a training report: evaluations only, as ASHA compares trials on the
-    validation loss at equal steps; with when the trial started and the node it runs on."""
+    validation loss at equal steps; with when the trial started and the node it runs on. A trial whose
+    training diverged ends as the worst result (reported as NaN, ASHA would never stop it, as NaN < cutoff
+    is false, and Optuna would drop it as failed, learning nothing from it)."""
+    if "diverged" in metrics:
+        metrics = {**metrics, "val_loss": math.inf}
     if "val_loss" not in metrics:
         return None
     keep = {key: metrics[key] for key in ("step", "val_loss", "time")}
