@@ -44,6 +44,7 @@ class S3Server:
     buckets live in this process's moto backends, so they outlast a ``stop``."""
 
     def __init__(self):
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request
         self.port = 0
         self.start()
         self.endpoint = f"http://127.0.0.1:{self.port}"
@@ -52,7 +53,6 @@ class S3Server:
         from moto.server import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
         from werkzeug.serving import make_server
 
-        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request
         app = DomainDispatcherApplication(create_backend_app)
         self._http = make_server("127.0.0.1", self.port, app, threaded=True, request_handler=MotoRequestHandler)
         self.port = self._http.server_port

@@ -162,7 +162,7 @@ def written(pending: PendingCheckpoint, wait: bool) -> bool:
     """
     writer = pending.writer
     writing = 0 if writer is None or writer.done(wait) else 1
-    error = pending.error or (writer.error if writer is not None and not writing else None)
+    error = pending.error or (writer.error if writer else None)  # a writer's, once set, is final
     counts = torch.tensor([writing, 1 if error else 0], device=pending.device)
     dist.all_reduce(counts)
     still_writing, failed = counts.tolist()
