@@ -39,6 +39,7 @@ def test_every_shipped_recipe_loads(recipe):
         ("scaling.num_workers=[3,1]", "scaling: num_workers must be >= 1, or [min, max]"),
         ("scaling.num_workers=true", "scaling.num_workers: True is not an integer or a list"),
         ("deepspeed.offload_params=true", "deepspeed: offload_params needs zero_stage 3"),
+        ("deepspeed.precision=fp16", "deepspeed.precision fp16 needs GPU workers (scaling.use_gpu: true)"),
         ("run.name=..", "run.name: must be letters, digits"),
         ("run.name=a/b", "run.name: must be letters, digits"),
         ("run.eval_samples=8", "run.eval_samples (8) must be >= optim.micro_batch_size (8) x 2 workers"),

@@ -243,6 +243,11 @@ class TrainConfig(Section):
                 f"run.eval_samples ({self.run.eval_samples}) must be >= optim.micro_batch_size "
                 f"({micro}) x {scaling.max_workers} workers (scaling.num_workers)"
             )
+        if self.deepspeed.precision == "fp16" and not self.scaling.use_gpu:
+            # DeepSpeed refuses fp16 on most CPUs ("Type fp16 is not supported on your device"), in every worker.
+            raise ValueError(
+                "deepspeed.precision fp16 needs GPU workers (scaling.use_gpu: true); CPU workers train in bf16 or fp32"
+            )
         return self
 
     def to_dict(self) -> dict[str, Any]:
