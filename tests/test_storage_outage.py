@@ -2,11 +2,14 @@
 checkpoints that fail do not count and are retried, side files are uploaded once storage is back, the lease
 is kept; only storage that stays down past ``checkpoint.failures_tolerated`` failed checkpoints stops a run."""
 
+import os
+import signal
 import threading
 import time
 
 import pytest
 from ray._common.test_utils import wait_for_condition
+from ray.util.state import list_actors
 
 from train import checkpoint, storage
 from train.config import load_config
@@ -92,3 +95,40 @@ def test_a_run_whose_storage_stays_down_stops_after_the_failed_checkpoints_it_to
     assert len(failed) == 1 and failed[0]["checkpoint_failed"].endswith("step_00000010")  # tolerated
     assert max(m["step"] for m in reports) > 15  # trained on past it, and past the next attempt
     assert checkpoint.latest_complete(run_uri(cfg))["step"] == 5
+
+
+def test_a_run_restarted_while_its_storage_is_down_waits_for_it(ray_session, s3_server, s3_bucket, tiny_dataset):
+    """A worker lost during an outage: the new workers wait for storage to answer, then resume; before, each
+    of their attempts failed on its first read of the run and counted against scaling.max_failures."""
+    cfg = _config(
+        tiny_dataset,
+        s3_bucket,
+        "run.name=restart-in-outage",
+        "optim.max_steps=60",
+        "run.log_every=5",
+        "checkpoint.every_steps=25",  # none is due in the outage: its report's failed uploads would stall Ray Train
+        "scaling.max_failures=1",  # the lost worker's failure; a failed attempt in the outage would end the run
+        "run.side_files_upload_s=600",  # the controller's uploads, which stall it through an outage, only at the end
+    )
+    run = run_uri(cfg)
+    result = []
+    thread = threading.Thread(target=lambda: result.append(run_training(cfg)))
+    thread.start()
+    wait_for_condition(lambda: checkpoint.latest_complete(run) is not None, timeout=180)  # step 25's
+    written_at = progress_of(cfg.run.name)["step"]
+    wait_for_condition(lambda: progress_of(cfg.run.name)["step"] >= written_at + 5)  # and its report is in
+    with s3_server.outage():
+        os.kill(_training_worker_pids()[0], signal.SIGKILL)
+        time.sleep(60)  # the new workers start, and find storage down
+    thread.join(timeout=300)
+
+    assert result and result[0].steps == 60
+    assert len(result[0].elastic["world_size_timeline"]) == 2  # one restart, the killed worker's
+    assert result[0].elastic["resizes"][0]["storage_wait_s"] > 5  # it started in the outage, and waited
+    assert checkpoint.latest_complete(run)["step"] == 60
+
+
+def _training_worker_pids() -> list[int]:
+    workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+    assert workers, "no training worker is alive"
+    return [worker.pid for worker in workers]

@@ -195,6 +195,9 @@ class RunConfig(Section):
     side_files_upload_s: float = Field(30.0, gt=0.0)
     """On object storage, seconds between uploads of metrics.jsonl and TensorBoard (also uploaded with every
     checkpoint and at the end; the node keeps them meanwhile, and through a failed upload)."""
+    storage_wait_s: float = Field(300.0, ge=0.0)
+    """How long a (re)starting worker waits for the run's storage and dataset to answer before its attempt fails:
+    a restart during a storage outage then costs the wait, not one of scaling.max_failures."""
     lease_stale_after_s: float = Field(300.0, ge=10.0)
     """A run is refused while another driver holds its lease (<run>/lease.json); a lease without
     heartbeat for this long, or held by a process of this host that has exited, is taken over."""

@@ -159,12 +159,15 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.timeline = ray.get_actor(args["timeline"]) if args.get("timeline") and self.rank == 0 else None
         self.startup = {"entered": time.time()}  # where a (re)start's seconds go, for the timeline's resize record
-
+        waited = storage.wait_until_reachable([self.run_uri, args["data_path"]], cfg.run.storage_wait_s)
+        if waited:
+            self.startup["storage_wait_s"] = waited
+        mark = time.time()
         self.tokenizer = load_tokenizer(args["data_path"])
         self.train_rows = load_split(args["data_path"], "train")
         self.val_rows = load_split(args["data_path"], "val")[: cfg.run.eval_samples]
         self.order = SampleOrder(len(self.train_rows), cfg.run.seed)
-        self.startup["data_s"] = time.time() - self.startup["entered"]
+        self.startup["data_s"] = time.time() - mark
         latest = self._restore()  # sets self.engine, self.grad_accum and self.step
 
         self.policy = StepPolicy(cfg)

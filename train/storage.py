@@ -2,12 +2,16 @@
 
 import hashlib
 import json
+import logging
 import os
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pyarrow.fs as pafs
+
+logger = logging.getLogger(__name__)
 
 
 def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
@@ -39,6 +43,33 @@ def join(uri: str, *parts: str) -> str:
 def exists(uri: str) -> bool:
     fs, path = resolve(uri)
     return fs.get_file_info(path).type != pafs.FileType.NotFound
+
+
+def wait_until_reachable(uris: list[str], timeout_s: float, poll_s: float = 2.0) -> float:
+    """Wait until each of ``uris`` answers (whether it exists or not); the seconds waited, 0 where they answered
+    at once.
+
+    Storage that cannot be reached (an outage, a network partition) is asked again every ``poll_s`` (besides
+    pyarrow's own retries) and logged once; past ``timeout_s`` the last error is raised.
+    """
+    started, failures = time.monotonic(), 0
+    while True:
+        try:
+            for uri in uris:
+                exists(uri)
+            break
+        except OSError as exc:
+            if time.monotonic() - started >= timeout_s:
+                raise
+            if not failures:
+                logger.warning("storage cannot be reached, waiting up to %.0f s for it: %s", timeout_s, exc)
+            failures += 1
+            time.sleep(poll_s)
+    if not failures:
+        return 0.0
+    waited = time.monotonic() - started
+    logger.warning("storage answered after %.1f s", waited)
+    return waited
 
 
 def list_dir(uri: str) -> list[str]:

@@ -38,7 +38,7 @@ class TimelineState:
 
 TIMELINE_PREFIX = "raywright-timeline-"
 # Where a restart's seconds go, in order; the first step after them completes the seconds lost.
-RESTART_PHASES = ("workers_up_s", "data_s", "convert_s", "engine_s", "load_s")
+RESTART_PHASES = ("workers_up_s", "storage_wait_s", "data_s", "convert_s", "engine_s", "load_s")
 
 
 def timeline_of(run_name: str):

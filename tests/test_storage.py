@@ -1,0 +1,30 @@
+"""Waiting out a storage outage: what a (re)starting training worker does before it reads its run."""
+
+import threading
+import time
+
+import pytest
+
+from train import storage
+
+pytestmark = pytest.mark.unit
+
+
+def test_storage_that_comes_back_is_waited_for_and_storage_that_stays_down_fails_after_the_wait(
+    s3_server, s3_bucket, tmp_path, caplog
+):
+    run = f"{s3_bucket}/wait-{time.time_ns()}"
+    assert storage.wait_until_reachable([run, str(tmp_path)], timeout_s=60) == 0.0  # answers at once, not found
+
+    s3_server.stop()
+    back = threading.Timer(8, s3_server.start)
+    back.start()
+    try:
+        waited = storage.wait_until_reachable([str(tmp_path), run], timeout_s=120, poll_s=0.5)
+    finally:
+        back.join()
+    assert waited >= 7
+    assert "storage cannot be reached, waiting up to 120 s" in caplog.text and "storage answered after" in caplog.text
+
+    with s3_server.outage(), pytest.raises(OSError, match="NETWORK_CONNECTION"):
+        storage.wait_until_reachable([run], timeout_s=1, poll_s=0.5)
