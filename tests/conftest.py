@@ -33,6 +33,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def training_worker_pids() -> list[int]:
+    """The processes of the Ray Train workers alive in the session's Ray."""
+    from ray.util.state import list_actors
+
+    alive = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+    return [actor.pid for actor in alive]
+
+
 S3_BUCKET = "raywright-test"
 
 # A few standard-library packages: a real corpus of ~4 MB that every machine has.

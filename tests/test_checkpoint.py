@@ -12,7 +12,9 @@ from train import checkpoint, storage
 from train.checkpoint_writer import BackgroundWriter
 from train.config import load_config
 from train.ds_config import build_engine
+from train.export_checkpoint import check_out, default_out, find_checkpoint
 from train.model import GPT
+from train.schema import ConfigError
 from train.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.unit
@@ -158,3 +160,24 @@ def test_a_resize_downloads_the_universal_state_of_this_machines_optimizer_parti
     assert f"downloaded {total - 1} files of {universal} " in caplog.text
     for before, after in zip(saved.module.parameters(), resumed.module.parameters(), strict=True):
         assert torch.equal(before, after)
+
+
+def test_the_checkpoint_to_export_is_chosen_by_run_step_or_directory_and_a_bad_choice_is_named(tmp_path):
+    run = tmp_path / "run"
+    _step(run, 10, complete=True)
+    newest = _step(run, 20, complete=True)
+    _step(run, 30, complete=False)  # being written, or cut short
+    assert find_checkpoint(str(run), None)["uri"] == newest
+    assert find_checkpoint(f"{newest}/", None)["uri"] == newest
+    assert default_out(find_checkpoint(str(run), 10)) == f"{run}/exports/step_00000010"
+    with pytest.raises(ConfigError, match=r"no checkpoint of step 15 \(it has \['step_00000010', 'step_00000020', 'st"):
+        find_checkpoint(str(run), 15)
+    with pytest.raises(ConfigError, match="incomplete checkpoint .*step_00000030: no metadata.json"):
+        find_checkpoint(str(run), 30)
+    with pytest.raises(ConfigError, match="holds no complete checkpoint"):
+        find_checkpoint(str(tmp_path / "elsewhere"), None)
+
+    storage.write_bytes(f"{tmp_path}/mine/notes.txt", b"not ours")
+    with pytest.raises(ConfigError, match="holds files that are not a raywright export"):
+        check_out(f"{tmp_path}/mine")
+    check_out(f"{tmp_path}/new")

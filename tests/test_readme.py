@@ -42,6 +42,7 @@ HOW = {
     "from_pretrained('runs/tiny/export')\ntokenizer = AutoTokenizer.from_pretrained('runs/tiny/export')\nids = "
     "tokenizer('def main(', return_tensors='pt').input_ids\nprint(tokenizer.decode(model.generate(ids, "
     'max_new_tokens=20, do_sample=False)[0]))"': RUN,
+    "python -m train.export_checkpoint runs/tiny": RUN,
     "python -m train --set model.init_from=runs/tiny/export --set run.name=finetune --set optim.max_steps=20": STEPS,
     "python -m serve --checkpoint runs/tiny": RUN,  # in the background, for the curl below
     "curl -s localhost:8000/v1/completions -H 'content-type: application/json' "

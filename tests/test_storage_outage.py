@@ -9,8 +9,8 @@ import time
 
 import pytest
 from ray._common.test_utils import wait_for_condition
-from ray.util.state import list_actors
 
+from tests.conftest import training_worker_pids
 from train import checkpoint, storage
 from train.config import load_config
 from train.data import load_manifest
@@ -118,7 +118,7 @@ def test_a_run_restarted_while_its_storage_is_down_waits_for_it(ray_session, s3_
     written_at = progress_of(cfg.run.name)["step"]
     wait_for_condition(lambda: progress_of(cfg.run.name)["step"] >= written_at + 5)  # and its report is in
     with s3_server.outage():
-        os.kill(_training_worker_pids()[0], signal.SIGKILL)
+        os.kill(training_worker_pids()[0], signal.SIGKILL)
         time.sleep(60)  # the new workers start, and find storage down
     thread.join(timeout=300)
 
@@ -126,9 +126,3 @@ def test_a_run_restarted_while_its_storage_is_down_waits_for_it(ray_session, s3_
     assert len(result[0].elastic["world_size_timeline"]) == 2  # one restart, the killed worker's
     assert result[0].elastic["resizes"][0]["storage_wait_s"] > 5  # it started in the outage, and waited
     assert checkpoint.latest_complete(run)["step"] == 60
-
-
-def _training_worker_pids() -> list[int]:
-    workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
-    assert workers, "no training worker is alive"
-    return [worker.pid for worker in workers]

@@ -5,6 +5,8 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -13,6 +15,7 @@ import torch
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from ray._common.test_utils import wait_for_condition
 
+from tests.conftest import training_worker_pids
 from train import checkpoint, storage
 from train.config import load_config
 from train.data import prepare
@@ -75,7 +78,8 @@ def test_zero_stages_1_2_3_learn_the_same_thing(tiny_config):
         "optim.max_steps=20",
         "run.log_every=5",
     )
-    chosen = load_exported(run_training(auto).export).provenance["config"]
+    auto_run = run_training(auto)
+    chosen = load_exported(auto_run.export).provenance["config"]
     assert (chosen["deepspeed"]["zero_stage"], chosen["optim"]["micro_batch_size"]) == (0, 8)
     for step in (5, 10, 15, 20):
         assert _train_losses(auto)[step] == pytest.approx(losses[1][step], abs=1e-3)
@@ -85,6 +89,18 @@ def test_zero_stages_1_2_3_learn_the_same_thing(tiny_config):
     )
     assert resumed.steps == 25
     assert load_exported(resumed.export).provenance["config"]["deepspeed"]["zero_stage"] == 3
+
+    # A checkpoint exported afterwards, in one process, holds exactly what its run exported at that step: through
+    # the universal conversion of its 2 workers' ZeRO-3 shards, and from the whole state of a stage-0 checkpoint.
+    auto_exported = load_exported(auto_run.export).model.state_dict()
+    for run_dir, at_step_20 in ((resumed.run_dir, exported), (auto_run.run_dir, auto_exported)):
+        out = f"{run_dir}/exports/step_00000020"
+        command = [sys.executable, "-m", "train.export_checkpoint", run_dir, "--step", "20"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and f"to {out}" in done.stdout, done.stderr[-3000:]
+        later = load_exported(out)
+        assert later.provenance["step"] == 20 and later.provenance["code_version"]
+        assert all(torch.equal(tensor, at_step_20[name]) for name, tensor in later.model.state_dict().items())
 
 
 def test_resume_skips_half_written_checkpoint_and_matches_uninterrupted_losses(tiny_config, caplog):
@@ -123,12 +139,21 @@ def test_resume_skips_half_written_checkpoint_and_matches_uninterrupted_losses(t
         assert m["loss"] == pytest.approx(uninterrupted[m["step"]], abs=1e-6)
 
 
-def test_restore_at_another_world_size_with_offload_is_exact(tiny_config):
-    """ZeRO-1 with the optimizer offloaded to CPU: 2 workers checkpoint, 1 worker continues."""
+@pytest.mark.parametrize(
+    "zero",
+    [
+        # Sharded state, through DeepSpeed's universal conversion.
+        ["run.name=offload", "deepspeed.zero_stage=1", "deepspeed.offload_optimizer=true"],
+        # Whole state in one file, loaded as it is (the GPU recipes' auto stage on large GPUs): its conversion
+        # failed ("can't find *_optim_states.pt files"), so a stage-0 run could not resize.
+        ["run.name=zero0", "deepspeed.zero_stage=0", "deepspeed.precision=bf16"],
+    ],
+    ids=["zero1-offload", "zero0-bf16"],
+)
+def test_restore_at_another_world_size_is_exact(tiny_config, zero):
+    """2 workers checkpoint, 1 worker continues."""
     overrides = [
-        "run.name=offload",
-        "deepspeed.zero_stage=1",
-        "deepspeed.offload_optimizer=true",
+        *zero,
         "optim.max_steps=12",
         "checkpoint.every_steps=6",
         "run.log_every=1",
@@ -138,13 +163,18 @@ def test_restore_at_another_world_size_with_offload_is_exact(tiny_config):
     cfg = tiny_config(*overrides)
     first = run_training(cfg)
     shutil.rmtree(checkpoint.checkpoint_uri(first.run_dir, 12))
+    sharded = cfg.deepspeed.zero_stage > 0
     # A conversion killed midway left a partial result (no done.json): it is redone, never loaded.
     partial = f"{checkpoint.checkpoint_uri(first.run_dir, 6)}/{checkpoint.UNIVERSAL}"
-    storage.write_bytes(f"{partial}/zero/cut-short.pt", b"half")
+    if sharded:
+        storage.write_bytes(f"{partial}/zero/cut-short.pt", b"half")
 
     resumed = run_training(tiny_config(*overrides, "scaling.num_workers=1"))
     assert resumed.steps == 12
-    assert storage.exists(f"{partial}/done.json") and not storage.exists(f"{partial}/zero/cut-short.pt")
+    if sharded:
+        assert storage.exists(f"{partial}/done.json") and not storage.exists(f"{partial}/zero/cut-short.pt")
+    else:
+        assert not storage.exists(partial)
     with open(f"{run_uri(cfg)}/samples.jsonl") as f:
         records = [json.loads(line) for line in f]
     uninterrupted = {r["step"]: r["loss"] for r in records[:12]}
@@ -154,17 +184,10 @@ def test_restore_at_another_world_size_with_offload_is_exact(tiny_config):
         assert r["loss"] == pytest.approx(uninterrupted[r["step"]], abs=1e-5)
 
 
-def _worker_pids() -> list[int]:
-    from ray.util.state import list_actors
-
-    alive = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
-    return [actor.pid for actor in alive]
-
-
 def _kill_a_worker_while_a_checkpoint_is_written(run: str, deadline: float) -> int:
     """SIGKILL a training worker while a step directory holds shards but no metadata; returns the step."""
     root = f"{run}/{checkpoint.CHECKPOINTS}"
-    pids = _worker_pids()
+    pids = training_worker_pids()
     while time.time() < deadline:
         for name in storage.list_dir(root):
             step_dir = f"{root}/{name}"
@@ -194,7 +217,7 @@ def test_a_worker_killed_mid_checkpoint_then_a_second_failure_resume_from_comple
     killed_at = _kill_a_worker_while_a_checkpoint_is_written(run, time.time() + 60)
     wait_for_condition(lambda: progress_of(cfg.run.name)["attempts"] == 2, timeout=120)
     wait_for_condition(lambda: progress_of(cfg.run.name)["step"] >= killed_at + 6, timeout=120)
-    os.kill(_worker_pids()[0], signal.SIGKILL)  # the second failure, between checkpoints
+    os.kill(training_worker_pids()[0], signal.SIGKILL)  # the second failure, between checkpoints
     thread.join(timeout=300)
 
     assert result and result[0].steps == 40

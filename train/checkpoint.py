@@ -68,13 +68,21 @@ def _step_dirs(run_uri: str) -> list[str]:
     return [storage.join(root, name) for name in storage.list_dir(root) if name.startswith("step_")]
 
 
+def read_complete(uri: str) -> dict[str, Any]:
+    """Metadata (with its ``uri``) of the checkpoint at ``uri``; ValueError saying why where it is incomplete."""
+    reason = _incompleteness(uri)
+    if reason is not None:
+        raise ValueError(f"incomplete checkpoint {uri}: {reason}")
+    return {**storage.read_json(storage.join(uri, METADATA)), "uri": uri}
+
+
 def latest_complete(run_uri: str) -> dict[str, Any] | None:
     """Metadata (with its ``uri``) of the newest complete checkpoint of a run, or None."""
     for uri in reversed(_step_dirs(run_uri)):
-        reason = _incompleteness(uri)
-        if reason is None:
-            return {**storage.read_json(storage.join(uri, METADATA)), "uri": uri}
-        logger.warning("skipping incomplete checkpoint %s: %s", uri, reason)
+        try:
+            return read_complete(uri)
+        except ValueError as exc:
+            logger.warning("skipping %s", exc)
     return None
 
 
@@ -305,8 +313,11 @@ def _universal_files_for(engine, uri: str) -> Callable[[list[int]], list[str] | 
 
 
 def needs_universal(checkpoint: dict[str, Any], world_size: int) -> bool:
-    """DeepSpeed refuses a sharded checkpoint from another data-parallel size; universal format does not."""
-    return checkpoint["world_size"] != world_size
+    """Whether loading at ``world_size`` goes through the universal format: DeepSpeed refuses ZeRO shards
+    (stages 1-3) of another data-parallel size. A stage-0 checkpoint has none: its one model-states file holds
+    the whole model and optimizer state (fp32 masters included), which loads at any size as it is."""
+    sharded = any(RANK_FILE.search(os.path.basename(name)) for name in checkpoint["files"])
+    return sharded and checkpoint["world_size"] != world_size
 
 
 def convert_to_universal(checkpoint: dict[str, Any]) -> None:
@@ -319,13 +330,8 @@ def convert_to_universal(checkpoint: dict[str, Any]) -> None:
     done = storage.join(uri, UNIVERSAL, "done.json")
     if dist.get_rank() == 0 and not storage.exists(done):
         started = time.time()
-        stage = checkpoint["config"]["deepspeed"]["zero_stage"]
         with tempfile.TemporaryDirectory(prefix="raywright-universal-") as scratch:
-            source = storage.resolve(uri)[1] if storage.is_local(uri) else os.path.join(scratch, "source")
-            if not storage.is_local(uri):
-                storage.copy_dir(uri, source)
-            output = os.path.join(scratch, UNIVERSAL)
-            _run_ds_to_universal(source, output, inject_missing_state=stage < 3)
+            output = universal_conversion(checkpoint, scratch)
             target = storage.join(uri, UNIVERSAL)
             if storage.exists(target):
                 storage.delete_dir(target)  # a conversion cut short earlier: redone, never loaded
@@ -338,6 +344,18 @@ def convert_to_universal(checkpoint: dict[str, Any]) -> None:
         storage.write_json(done, {"seconds": time.time() - started})  # last: the conversion counts from here
         logger.info("converted %s to universal format in %.1f s", uri, time.time() - started)
     dist.barrier()
+
+
+def universal_conversion(checkpoint: dict[str, Any], scratch: str) -> str:
+    """Convert the checkpoint into ``<scratch>/universal`` (downloading it into ``scratch`` first where it is
+    remote); returns that folder."""
+    uri = checkpoint["uri"]
+    source = storage.resolve(uri)[1] if storage.is_local(uri) else os.path.join(scratch, "source")
+    if not storage.is_local(uri):
+        storage.copy_dir(uri, source)
+    output = os.path.join(scratch, UNIVERSAL)
+    _run_ds_to_universal(source, output, inject_missing_state=checkpoint["config"]["deepspeed"]["zero_stage"] < 3)
+    return output
 
 
 def _run_ds_to_universal(source: str, output: str, inject_missing_state: bool) -> None:

@@ -393,7 +393,7 @@ class Trainer:
             "global_batch_size": cfg.optim.global_batch_size,
             "config": cfg.to_dict(),
             "tokenizer": self.tokenizer.spec(),
-            "data_manifest_sha256": self.args["provenance"]["data_manifest_sha256"],
+            **self.args["provenance"],  # the dataset's and the code's: what an export of this checkpoint names
             "samples_seen": step * cfg.optim.global_batch_size,
             "reason": reason,
         }

@@ -8,20 +8,17 @@ after the sweep was restored, resumes from its last checkpoint instead of starti
 """
 
 import math
-import os
-import socket
 import time
 from typing import Any
 
 import ray
-import torch
-import torch.distributed as dist
 from ray import tune
 from ray.tune.integration.ray_train import TuneReportCallback
 
 from train import storage
 from train.launch import build_trainer, loop_args
 from train.loop import train_loop
+from train.process_group import one_process_group
 from tune.config import SweepConfig, override
 
 
@@ -46,12 +43,6 @@ def sweep_dir(sweep: SweepConfig) -> str:
 def trials_dir(sweep: SweepConfig) -> str:
     """Where the trials' training runs are, each named by its trial id."""
     return storage.join(sweep_dir(sweep), "trials")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _evaluation(metrics: dict, start: float, node_id: str) -> dict | None:
@@ -94,11 +85,5 @@ def run_trial(params: dict[str, Any], sweep: SweepConfig, data_path: str, manife
         if evaluation:
             tune.report(evaluation)
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group(
-        "nccl" if cfg.scaling.use_gpu and torch.cuda.is_available() else "gloo", rank=0, world_size=1
-    )
-    try:
+    with one_process_group(cfg.scaling.use_gpu):
         train_loop(loop_args(cfg, data_path, manifest), report=report, preemption_info=lambda: None)
-    finally:
-        dist.destroy_process_group()

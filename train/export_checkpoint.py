@@ -1,0 +1,109 @@
+"""``python -m train.export_checkpoint RUN [--step N] [--out DIR]``: any complete checkpoint of a run as the
+Hugging Face directory a finished run exports (train/export.py), to serve or evaluate a run part-way, one that
+was stopped or diverged, or an earlier step than its last.
+
+The checkpoint is loaded as a resumed run loads it, into a one-process DeepSpeed engine on this machine: at
+the world size it was saved at, or else through DeepSpeed's universal conversion, made in a scratch folder (the
+run's storage is only read). Its export is therefore the one the run writes when it ends at that step.
+"""
+
+import sys
+import tempfile
+from typing import Any
+
+from train import checkpoint, storage
+from train.cli import OneLineParser, config_errors_exit_2
+from train.config import config_from_dict
+from train.export import PROVENANCE, export_model
+from train.schema import ConfigError, replace
+from train.tokenizer import load_tokenizer
+
+EXPORTS = "exports"
+# What a checkpoint's metadata says of where it came from, passed on to the export's provenance.
+ORIGIN = ("data_manifest_sha256", "data_source_sha256", "code_version")
+
+
+def find_checkpoint(location: str, step: int | None) -> dict[str, Any]:
+    """Metadata of the checkpoint at ``location`` (a checkpoint directory), or of a run's newest complete one
+    or the one of ``step``; ConfigError naming what is missing."""
+    location = storage.absolute(location.rstrip("/"))
+    try:
+        if storage.exists(storage.join(location, checkpoint.METADATA)):
+            return checkpoint.read_complete(location)
+        if step is not None:
+            uri = checkpoint.checkpoint_uri(location, step)
+            if not storage.exists(uri):
+                names = storage.list_dir(storage.join(location, checkpoint.CHECKPOINTS))
+                held = [name for name in names if name.startswith("step_")]
+                raise ConfigError(f"--step: {location} has no checkpoint of step {step} (it has {held or 'none'})")
+            return checkpoint.read_complete(uri)
+        latest = checkpoint.latest_complete(location)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
+    if latest is None:
+        raise ConfigError(f"{location} holds no complete checkpoint (a run directory or one of its checkpoints)")
+    return latest
+
+
+def default_out(ckpt: dict[str, Any]) -> str:
+    """``<run>/exports/step_NNNNNNNN``: beside the run's own ``export/``, which its end replaces."""
+    run = ckpt["uri"].rsplit("/", 2)[0]
+    return storage.join(run, EXPORTS, ckpt["uri"].rsplit("/", 1)[1])
+
+
+def check_out(out: str) -> None:
+    """``out`` is new, empty, or an earlier export (replaced): nothing raywright did not write is overwritten."""
+    names = storage.list_dir(out)
+    if names and PROVENANCE not in names:
+        raise ConfigError(f"--out: {out} holds files that are not a raywright export; give a new directory")
+
+
+def export_checkpoint(ckpt: dict[str, Any], out: str) -> None:
+    """Load ``ckpt`` into a one-process engine here and export its weights to ``out``."""
+    from deepspeed.accelerator import get_accelerator  # DeepSpeed and torch: after the arguments are checked
+
+    from train.ds_config import build_engine
+    from train.model import GPT
+    from train.process_group import one_process_group
+
+    on_gpu = get_accelerator().device_name() == "cuda"
+    cfg = config_from_dict(ckpt["config"])
+    cfg = replace(
+        cfg,
+        scaling=replace(cfg.scaling, use_gpu=on_gpu),  # this machine's device, whatever the run trained on
+        run=replace(cfg.run, compile=False),  # nothing to train: compiling would only cost
+    )
+    universal = checkpoint.needs_universal(ckpt, world_size=1)
+    with one_process_group(use_gpu=on_gpu), tempfile.TemporaryDirectory(prefix="raywright-export-") as scratch:
+        source = ckpt
+        if universal:
+            checkpoint.universal_conversion(ckpt, scratch)
+            source = {**ckpt, "uri": scratch}  # holds universal/, which the load reads
+        engine = build_engine(cfg, GPT(cfg.model), world_size=1, load_universal=universal)
+        checkpoint.load(engine, source, universal)
+        provenance = {key: ckpt[key] for key in ORIGIN if key in ckpt}
+        provenance.update(step=ckpt["step"], config=ckpt["config"], checkpoint=ckpt["uri"])
+        export_model(engine, cfg.model, load_tokenizer(ckpt["uri"]), out, provenance)
+
+
+@config_errors_exit_2
+def main(argv: list[str] | None = None) -> int:
+    parser = OneLineParser(
+        prog="python -m train.export_checkpoint",
+        description="Export a complete checkpoint of a run as a Hugging Face model directory (what the run writes "
+        "to <run>/export when it ends), to serve or evaluate it.",
+    )
+    parser.add_argument("location", help="a run directory or one of its checkpoints (local path or URI)")
+    parser.add_argument("--step", type=int, help="the run's checkpoint of this step (default: its newest)")
+    parser.add_argument("--out", help="where to write the export (default: <run>/exports/step_NNNNNNNN)")
+    args = parser.parse_args(argv)
+    ckpt = find_checkpoint(args.location, args.step)
+    out = storage.absolute(args.out) if args.out else default_out(ckpt)
+    check_out(out)
+    export_checkpoint(ckpt, out)
+    print(f"exported {ckpt['uri']} (step {ckpt['step']}) to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
