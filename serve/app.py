@@ -177,7 +177,12 @@ def resolve_export(checkpoint: str) -> str:
         return checkpoint
     if storage.exists(storage.join(export_uri(checkpoint), CONFIG)):
         return export_uri(checkpoint)
-    raise FileNotFoundError(f"checkpoint: no {CONFIG} in {checkpoint} or in its export/ directory")
+    from train.checkpoint import CHECKPOINTS  # DeepSpeed's import: only where there is no model to serve
+
+    hint = ""
+    if storage.exists(storage.join(checkpoint, CHECKPOINTS)):  # a run that has not ended (or did not export)
+        hint = f"; export one of its checkpoints first: python -m train.export_checkpoint {checkpoint}"
+    raise FileNotFoundError(f"checkpoint: no {CONFIG} in {checkpoint} or in its export/ directory{hint}")
 
 
 def chat_template(location: str) -> str | None:

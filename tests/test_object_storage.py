@@ -17,6 +17,7 @@ from ray import serve
 from serve.app import build_app
 from tests.conftest import free_port
 from train import checkpoint, storage
+from train.export import load_exported
 from train.launch import ELASTIC_SUMMARY
 from train.lease import LEASE
 from train.metrics import METRICS, TENSORBOARD, read_metrics
@@ -80,6 +81,14 @@ def test_a_run_in_a_bucket_survives_its_driver_killed_resumes_at_another_size_an
     assert killed_at is not None and killed_at["world_size"] == 2, (tmp_path / "first.log").read_text()[-3000:]
     assert killed_at["step"] < MAX_STEPS
     assert storage.read_json(f"{run_uri}/{LEASE}")["pid"] == first.pid  # it died holding the run
+
+    # Its checkpoint exported from the bucket: the 2 workers' shards converted in a scratch folder, the run only read.
+    export_command = [sys.executable, "-m", "train.export_checkpoint", run_uri]
+    exported = subprocess.run(export_command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    step_export = load_exported(f"{run_uri}/exports/{os.path.basename(killed_at['uri'])}")
+    assert step_export.provenance["checkpoint"] == killed_at["uri"] and step_export.name == "on-s3"
+    assert not storage.exists(f"{killed_at['uri']}/{checkpoint.UNIVERSAL}")
 
     # 2. Resubmitted on 1 worker: takes the dead driver's lease, converts the 2-worker checkpoint, finishes.
     downloads = Path(checkpoint.download_dir(killed_at["uri"])).parent
