@@ -259,3 +259,10 @@ def test_the_small_shape_learns_on_a_gpu_with_each_zero_stage(small_dataset, tmp
     summary = run_training(cfg)
     assert summary.steps == 30
     assert summary.final_val_loss < summary.initial_val_loss - 0.5
+    # Its last checkpoint, exported afterwards on the GPU, holds exactly the weights the run exported.
+    command = [sys.executable, "-m", "train.export_checkpoint", summary.run_dir, "--out", f"{tmp_path}/again"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    final = load_exported(summary.export).model.state_dict()
+    again = load_exported(f"{tmp_path}/again").model.state_dict()
+    assert all(torch.equal(tensor, final[name]) for name, tensor in again.items())
