@@ -60,11 +60,10 @@ def build_engine(cfg: TrainConfig, model: torch.nn.Module, world_size: int, load
         # The offloaded step then runs torch's AdamW on the host: slower than DeepSpeed's, the same math.
         del ds_config["optimizer"]
         ds_config["zero_force_ds_cpu_optimizer"] = False
-    groups = parameter_groups(model, cfg.optim.weight_decay)
     engine, *_ = deepspeed.initialize(
         model=model,
-        optimizer=_client_optimizer(cfg, ds_config, groups),
-        model_parameters=groups,  # what a DeepSpeed-built optimizer (offload's CPU Adam) takes
+        optimizer=_client_optimizer(cfg, ds_config, model),
+        model_parameters=model.parameters(),
         config=ds_config,
         dist_init_required=False,
     )
@@ -80,20 +79,8 @@ def compiles(cfg: TrainConfig) -> bool:
     return cfg.scaling.use_gpu and cfg.deepspeed.zero_stage in (0, 1)
 
 
-def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """The weight matrices and embeddings decay; biases and LayerNorm gains and shifts do not (decaying a gain
-    pulls it toward 0, nothing a regularizer should do), as in GPT-2, nanoGPT and Megatron."""
-    params = list(model.parameters())  # a tied weight once
-    return [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-
-
-def _client_optimizer(
-    cfg: TrainConfig, ds_config: dict[str, Any], groups: list[dict[str, Any]]
-) -> torch.optim.AdamW | None:
-    """torch's AdamW over ``groups``, or None where ``ds_config`` names the optimizer.
+def _client_optimizer(cfg: TrainConfig, ds_config: dict[str, Any], model: torch.nn.Module) -> torch.optim.AdamW | None:
+    """torch's AdamW, or None where ``ds_config`` names the optimizer.
 
     DeepSpeed builds a configured AdamW as its FusedAdam, a JIT-built op: seconds of compiler probing
     on every worker (re)start, and a crash on images whose TORCH_CUDA_ARCH_LIST it cannot parse.
@@ -101,7 +88,11 @@ def _client_optimizer(
     """
     if "optimizer" in ds_config:
         return None
-    return torch.optim.AdamW(groups, **_adamw_params(cfg), fused=groups[0]["params"][0].is_cuda)
+    # One parameter group, so LayerNorms and biases decay too (GPT-2 and Megatron exempt them): DeepSpeed 0.19.8's
+    # ZeRO-3 universal load gives every group the first group's hyperparameters, and with two groups a resized
+    # ZeRO-3 run's losses left the fixed-size run's (5e-5 at the first step after, even with the decays put back).
+    params = list(model.parameters())
+    return torch.optim.AdamW(params, **_adamw_params(cfg), fused=params[0].is_cuda)
 
 
 def _host_adam_entry(cfg: TrainConfig) -> dict[str, Any]:
