@@ -4,7 +4,6 @@ import contextlib
 import logging
 import os
 import shutil
-import socket
 import sysconfig
 import tempfile
 import threading
@@ -21,16 +20,11 @@ from ray.cluster_utils import Cluster
 from train.config import TrainConfig, load_config
 from train.export import save_export
 from train.model import GPT, ModelConfig
+from train.process_group import free_port
 from train.tokenizer import ByteTokenizer
 
 # What the serving tests' model learns by heart: ASCII and 2-, 3- and 4-byte UTF-8 characters.
 MEMORIZED_TEXT = "Grüße aus Köln: 3 € für ☕ und 🚀. "
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def training_worker_pids() -> list[int]:

@@ -62,7 +62,7 @@ def _incompleteness(uri: str) -> str | None:
     return None
 
 
-def _step_dirs(run_uri: str) -> list[str]:
+def step_dirs(run_uri: str) -> list[str]:
     """URIs of the run's checkpoint directories, oldest first (DeepSpeed also leaves scripts there)."""
     root = storage.join(run_uri, CHECKPOINTS)
     return [storage.join(root, name) for name in storage.list_dir(root) if name.startswith("step_")]
@@ -78,7 +78,7 @@ def read_complete(uri: str) -> dict[str, Any]:
 
 def latest_complete(run_uri: str) -> dict[str, Any] | None:
     """Metadata (with its ``uri``) of the newest complete checkpoint of a run, or None."""
-    for uri in reversed(_step_dirs(run_uri)):
+    for uri in reversed(step_dirs(run_uri)):
         try:
             return read_complete(uri)
         except ValueError as exc:
@@ -226,10 +226,10 @@ def prune(run_uri: str, keep_last: int) -> None:
     Called right after a save completes, when no other save is in flight (one at a time): an incomplete directory is
     then an interrupted attempt, never one still being written, and never counts toward ``keep_last``.
     """
-    step_dirs = _step_dirs(run_uri)
-    complete = [uri for uri in step_dirs if _incompleteness(uri) is None]
+    every = step_dirs(run_uri)
+    complete = [uri for uri in every if _incompleteness(uri) is None]
     kept = set(complete[-keep_last:]) if keep_last else set()
-    for uri in step_dirs:
+    for uri in every:
         if uri not in kept:
             storage.delete_dir(uri)
 

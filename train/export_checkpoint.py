@@ -30,19 +30,20 @@ def find_checkpoint(location: str, step: int | None) -> dict[str, Any]:
     try:
         if storage.exists(storage.join(location, checkpoint.METADATA)):
             return checkpoint.read_complete(location)
-        if step is not None:
+        if step is None:
+            found = checkpoint.latest_complete(location)
+        else:
+            held = checkpoint.step_dirs(location)
             uri = checkpoint.checkpoint_uri(location, step)
-            if not storage.exists(uri):
-                names = storage.list_dir(storage.join(location, checkpoint.CHECKPOINTS))
-                held = [name for name in names if name.startswith("step_")]
-                raise ConfigError(f"--step: {location} has no checkpoint of step {step} (it has {held or 'none'})")
-            return checkpoint.read_complete(uri)
-        latest = checkpoint.latest_complete(location)
-    except (OSError, ValueError) as exc:
+            found = checkpoint.read_complete(uri) if uri in held else None
+    except (OSError, ValueError) as exc:  # storage unreachable, an incomplete checkpoint
         raise ConfigError(str(exc)) from None
-    if latest is None:
+    if found is not None:
+        return found
+    if step is None:
         raise ConfigError(f"{location} holds no complete checkpoint (a run directory or one of its checkpoints)")
-    return latest
+    names = [uri.rsplit("/", 1)[1] for uri in held]
+    raise ConfigError(f"--step: {location} has no checkpoint of step {step} (it has {names or 'none'})")
 
 
 def default_out(ckpt: dict[str, Any]) -> str:
