@@ -196,13 +196,29 @@ def test_the_drainer_waits_out_an_unreachable_metadata_service_checkpoints_on_re
         ray_session.remove_node(node)
 
 
+def _state_api(dashboard: str, listing: str) -> list[dict]:
+    request = urllib.request.Request(f"{dashboard}/api/v0/{listing}?detail=1", headers=auth_headers())
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        return json.loads(reply.read())["data"]["result"]["result"]
+
+
+def _kinds(resources: list[dict]) -> list[str]:
+    return sorted(kind for offered in resources for kind in ("spot", "ondemand") if kind in offered)
+
+
 def _twin_node_kinds(dashboard: str) -> list[str]:
     """The kind (spot, ondemand) of each alive worker node of the twin, through its state API."""
-    request = urllib.request.Request(f"{dashboard}/api/v0/nodes?detail=1", headers=auth_headers())
-    with urllib.request.urlopen(request, timeout=10) as reply:
-        nodes = json.loads(reply.read())["data"]["result"]["result"]
-    alive = [n["resources_total"] for n in nodes if n["state"] == "ALIVE"]
-    return sorted(kind for resources in alive for kind in ("spot", "ondemand") if kind in resources)
+    return _kinds([node["resources_total"] for node in _state_api(dashboard, "nodes") if node["state"] == "ALIVE"])
+
+
+def _training_worker_node_kinds(dashboard: str) -> list[str]:
+    """The kind of the node under each alive Ray Train worker of the twin."""
+    nodes = {node["node_id"]: node["resources_total"] for node in _state_api(dashboard, "nodes")}
+    workers = [
+        actor for actor in _state_api(dashboard, "actors")
+        if actor["class_name"] == "RayTrainWorker" and actor["state"] == "ALIVE"
+    ]  # fmt: skip
+    return _kinds([nodes[worker["node_id"]] for worker in workers])
 
 
 def _wait(condition, timeout: float, what: str):
@@ -245,7 +261,12 @@ def test_local_twin_launches_spot_then_on_demand_follows_and_stops_a_job_then_sc
             )  # fmt: skip
         try:
             _wait(lambda: "step 10/" in followed.read_text(), 240, "the followed log to show training steps")
-            assert _twin_node_kinds(state["dashboard"]) == ["ondemand", "spot"]
+            # Where the workers run, not how many nodes are up: once in CI a third node was up at this point
+            # (cause unknown; a worker group restart while nodes start launches one). It idles out below.
+            assert _training_worker_node_kinds(state["dashboard"]) == ["ondemand", "spot"], (
+                f"nodes up: {_twin_node_kinds(state['dashboard'])}; the job's log ends:\n"
+                + followed.read_text()[-4000:]
+            )
             assert cluster_main(["stop", job_id, *address]) == 0
             assert follow.wait(timeout=60) == 0  # the follow ends with the job
         finally:
