@@ -54,6 +54,26 @@ def test_a_log_whose_storage_is_down_keeps_every_record_until_an_upload_succeeds
     assert not os.path.exists(log.path)
 
 
+def test_a_log_opened_while_its_storage_is_down_continues_what_storage_holds_once_it_is_back(
+    s3_server, s3_bucket, caplog
+):
+    """A resumed driver's first report can come in an outage: the log opens anyway (an exception in the metrics
+    recorder would end the run) and puts the earlier driver's records first when it can read them."""
+    uri = f"{s3_bucket}/run-files-{time.time_ns()}/metrics.jsonl"
+    earlier = JsonlLog(uri)
+    earlier.append({"step": 1})
+    earlier.close()
+    with s3_server.outage():
+        log = JsonlLog(uri)
+        log.append({"step": 2})
+        assert not log.flush()
+    assert f"could not read {uri}" in caplog.text
+    log.append({"step": 3})
+    log.close()
+    assert [record["step"] for record in read_jsonl(uri)] == [1, 2, 3]
+    assert not os.path.exists(log.path)
+
+
 def test_a_run_goes_on_through_failed_metrics_uploads_and_loses_no_report(s3_server, s3_bucket, caplog):
     """Ray Train ends a run whose callback raises; an upload that fails is retried at the next instead."""
     run_uri = f"{s3_bucket}/metrics-{time.time_ns()}"

@@ -2,11 +2,12 @@
 
 Local storage is appended to in place. Object storage has no append: the writer keeps a node-local copy,
 started from what the run's storage already holds (a writer on another node, such as rank 0 after a
-restart, continues the file), and uploads it whole when the caller flushes (the metrics recorder every
-``run.side_files_upload_s`` and at the end, the sample log at each checkpoint and at the end). An upload
-that fails (storage unreachable) is logged and left to the next flush: side files never stop a run, and
-the node's copy holds everything meanwhile. At the end the copy is deleted once uploaded: a node that
-outlives many runs keeps none of their side files."""
+restart, continues the file; one opened during an outage reads it before its first upload), and uploads
+it whole when the caller flushes (the metrics recorder every ``run.side_files_upload_s`` and at the end,
+the sample log at each checkpoint and at the end). An upload that fails (storage unreachable) is logged
+and left to the next flush: side files never stop a run, and the node's copy holds everything meanwhile.
+At the end the copy is deleted once uploaded: a node that outlives many runs keeps none of their side
+files."""
 
 import json
 import logging
@@ -44,10 +45,26 @@ class JsonlLog:
         self.remote = not storage.is_local(uri)
         self.path = local_path(uri)
         self._unflushed = False  # appended to since the last upload
+        self._continued = not self.remote  # whether the local copy starts with what ``uri`` held
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         if self.remote:
-            with open(self.path, "wb") as f:
-                f.write(storage.read_bytes(uri) if storage.exists(uri) else b"")
+            open(self.path, "wb").close()
+            self._continue_stored()
+
+    def _continue_stored(self) -> bool:
+        """Put what ``uri`` holds before the records appended here. While storage cannot be read, this is logged
+        and left to the next flush: a log opened in an outage (a resumed driver's first report) must not raise."""
+        try:
+            stored = storage.read_bytes(self.uri) if storage.exists(self.uri) else b""
+        except OSError as exc:
+            logger.warning("could not read %s (read again before the next upload): %s", self.uri, exc)
+            return False
+        with open(self.path, "rb") as f:
+            appended = f.read()
+        with open(self.path, "wb") as f:
+            f.write(stored + appended)
+        self._continued = True
+        return True
 
     def append(self, record: dict[str, Any]) -> None:
         with open(self.path, "a") as f:
@@ -58,6 +75,8 @@ class JsonlLog:
         """Make everything appended so far visible at ``uri`` (an upload only if something was appended); returns
         whether it is. A failed upload is logged, and the next flush uploads everything again."""
         if self.remote and self._unflushed:
+            if not self._continued and not self._continue_stored():
+                return False  # uploading now would replace the records that ``uri`` holds
             with open(self.path, "rb") as f:
                 if not try_upload(lambda: storage.write_bytes(self.uri, f.read()), self.uri, self.path):
                     return False
