@@ -52,7 +52,7 @@ def wait_until_reachable(uris: list[str], timeout_s: float, poll_s: float = 2.0)
     Storage that cannot be reached (an outage, a network partition) is asked again every ``poll_s`` (besides
     pyarrow's own retries) and logged once; past ``timeout_s`` the last error is raised.
     """
-    started, failures = time.monotonic(), 0
+    started, waiting = time.monotonic(), False
     while True:
         try:
             for uri in uris:
@@ -61,11 +61,11 @@ def wait_until_reachable(uris: list[str], timeout_s: float, poll_s: float = 2.0)
         except OSError as exc:
             if time.monotonic() - started >= timeout_s:
                 raise
-            if not failures:
+            if not waiting:
                 logger.warning("storage cannot be reached, waiting up to %.0f s for it: %s", timeout_s, exc)
-            failures += 1
+                waiting = True
             time.sleep(poll_s)
-    if not failures:
+    if not waiting:
         return 0.0
     waited = time.monotonic() - started
     logger.warning("storage answered after %.1f s", waited)
