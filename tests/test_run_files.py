@@ -13,6 +13,10 @@ from train.run_files import JsonlLog, drop_node_local_copy, node_local_copy, rea
 pytestmark = pytest.mark.unit
 
 
+def steps(uri: str) -> list[int]:
+    return [record["step"] for record in read_jsonl(uri)]
+
+
 def test_a_remote_log_is_uploaded_when_flushed_continued_by_a_writer_on_another_node_and_left_nowhere_else(
     s3_bucket,
 ):
@@ -20,15 +24,15 @@ def test_a_remote_log_is_uploaded_when_flushed_continued_by_a_writer_on_another_
     log = JsonlLog(uri)
     log.append({"step": 1})
     log.append({"step": 2})
-    assert read_jsonl(uri) == []  # an object store has no append: nothing until the flush
+    assert steps(uri) == []  # an object store has no append: nothing until the flush
     log.flush()
-    assert read_jsonl(uri) == [{"step": 1}, {"step": 2}]
+    assert steps(uri) == [1, 2]
 
     drop_node_local_copy(uri)  # rank 0 restarts on another node
     continued = JsonlLog(uri)
     continued.append({"step": 3})
     continued.close()  # the run's end
-    assert [record["step"] for record in read_jsonl(uri)] == [1, 2, 3]
+    assert steps(uri) == [1, 2, 3]
     assert not os.path.exists(os.path.dirname(node_local_copy(uri)))
 
 
@@ -36,7 +40,7 @@ def test_a_local_log_is_appended_in_place(tmp_path):
     uri = str(tmp_path / "run" / "metrics.jsonl")
     JsonlLog(uri).append({"step": 1})
     JsonlLog(uri).append({"step": 2})
-    assert read_jsonl(uri) == [{"step": 1}, {"step": 2}]
+    assert steps(uri) == [1, 2]
 
 
 def test_a_log_whose_storage_is_down_keeps_every_record_until_an_upload_succeeds(s3_server, s3_bucket, caplog):
@@ -48,9 +52,9 @@ def test_a_log_whose_storage_is_down_keeps_every_record_until_an_upload_succeeds
     with s3_server.outage():
         log.close()  # the run's end: logged, not raised (side files never stop a run); the node's copy stays
     assert "could not upload" in caplog.text and f"{log.path} keeps the records" in caplog.text
-    assert read_jsonl(uri) == [{"step": 1}]
+    assert steps(uri) == [1]
     log.close()  # storage is back
-    assert read_jsonl(uri) == [{"step": 1}, {"step": 2}]
+    assert steps(uri) == [1, 2]
     assert not os.path.exists(log.path)
 
 
@@ -70,8 +74,57 @@ def test_a_log_opened_while_its_storage_is_down_continues_what_storage_holds_onc
     assert f"could not read {uri}" in caplog.text
     log.append({"step": 3})
     log.close()
-    assert [record["step"] for record in read_jsonl(uri)] == [1, 2, 3]
+    assert steps(uri) == [1, 2, 3]
     assert not os.path.exists(log.path)
+
+
+def test_a_copy_an_upload_failed_to_store_is_merged_in_time_order_by_the_next_writer_on_its_node(
+    s3_server, s3_bucket, tmp_path
+):
+    """A driver resumed where the last could not upload its records (or was killed first) keeps them, in the order
+    they were written, also when a writer elsewhere stored records in between."""
+    uri = f"{s3_bucket}/run-files-{time.time_ns()}/samples.jsonl"
+    first = JsonlLog(uri)
+    first.append({"step": 1})
+    assert first.flush()
+    first.append({"step": 2, "by": "first"})
+    with s3_server.outage():
+        first.close()  # the node keeps its copy, with step 2
+    os.replace(first.path, tmp_path / "kept")  # set aside while rank 0 redoes step 2 on another node
+    elsewhere = JsonlLog(uri)
+    elsewhere.append({"step": 2, "by": "elsewhere"})
+    elsewhere.close()
+    os.makedirs(os.path.dirname(first.path))
+    os.replace(tmp_path / "kept", first.path)
+
+    back = JsonlLog(uri)  # rank 0 back on the first node
+    back.append({"step": 3})
+    back.close()
+    records = [(record["step"], record.get("by")) for record in read_jsonl(uri)]
+    assert records == [(1, None), (2, "first"), (2, "elsewhere"), (3, None)]  # a redone step's last record counts
+    assert not os.path.exists(back.path)
+
+
+@pytest.mark.parametrize("new_run_first_stored_by", ["this node", "another node"])
+def test_a_copy_left_by_a_deleted_run_is_not_merged_into_a_new_run_of_the_same_name(
+    s3_bucket, tmp_path, new_run_first_stored_by
+):
+    uri = f"{s3_bucket}/run-files-{time.time_ns()}/metrics.jsonl"
+    deleted = JsonlLog(uri)
+    deleted.append({"step": 1, "run": "deleted"})  # its driver is killed: the node keeps the copy
+    # The user deletes the run (it never stored a record) and starts one of the same name.
+    if new_run_first_stored_by == "another node":
+        os.replace(deleted.path, tmp_path / "kept")
+        elsewhere = JsonlLog(uri)
+        elsewhere.append({"step": 1, "run": "new"})
+        elsewhere.close()
+        os.makedirs(os.path.dirname(deleted.path))
+        os.replace(tmp_path / "kept", deleted.path)
+    log = JsonlLog(uri)
+    log.append({"step": 2, "run": "new"})
+    log.close()
+    new_run = [1, 2] if new_run_first_stored_by == "another node" else [2]
+    assert [(record["step"], record["run"]) for record in read_jsonl(uri)] == [(step, "new") for step in new_run]
 
 
 def test_a_run_goes_on_through_failed_metrics_uploads_and_loses_no_report(s3_server, s3_bucket, caplog):

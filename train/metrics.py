@@ -57,7 +57,8 @@ class MetricsRecorder(UserCallback):
     """Appends rank 0's reported metrics to ``<run>/metrics.jsonl`` and TensorBoard in ``<run>/tensorboard``.
 
     On object storage both are uploaded every ``upload_every_s``, with every checkpoint (so a driver
-    killed outright loses only reports that its resume redoes), at the last step and after a failure;
+    killed outright loses at most reports that its resume redoes: none where it resumes on the same node,
+    which merges them in), at the last step and after a failure;
     their node-local copies are deleted after the last step's upload. An upload that fails is logged and
     retried at the next: an exception here would end the run (Ray Train does not retry a callback's).
     """

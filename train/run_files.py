@@ -2,17 +2,18 @@
 
 Local storage is appended to in place. Object storage has no append: the writer keeps a node-local copy,
 started from what the run's storage already holds (a writer on another node, such as rank 0 after a
-restart, continues the file; one opened during an outage reads it before its first upload), and uploads
-it whole when the caller flushes (the metrics recorder every ``run.side_files_upload_s`` and at the end,
-the sample log at each checkpoint and at the end). An upload that fails (storage unreachable) is logged
-and left to the next flush: side files never stop a run, and the node's copy holds everything meanwhile.
-At the end the copy is deleted once uploaded: a node that outlives many runs keeps none of their side
-files."""
+restart, continues the file; one opened during an outage reads it before its first upload) and from the
+records an earlier writer on this node left unuploaded, and uploads it whole when the caller flushes (the
+metrics recorder every ``run.side_files_upload_s`` and at the end, the sample log at each checkpoint and at
+the end). An upload that fails (storage unreachable) is logged and left to the next flush: side files never
+stop a run, and the node's copy holds everything meanwhile. At the end the copy is deleted once uploaded: a
+node that outlives many runs keeps none of their side files."""
 
 import json
 import logging
 import os
 import shutil
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -38,7 +39,8 @@ def local_path(uri: str) -> str:
 
 
 class JsonlLog:
-    """Append-only JSON lines at ``uri``."""
+    """Append-only JSON lines at ``uri``, each record stamped with the ``time`` it was appended (unless it has its
+    own): what orders the records of two writers when one's copy is merged into the other's."""
 
     def __init__(self, uri: str):
         self.uri = uri
@@ -48,27 +50,36 @@ class JsonlLog:
         self._continued = not self.remote  # whether the local copy starts with what ``uri`` held
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         if self.remote:
-            open(self.path, "wb").close()
+            # A copy already here is an earlier writer's that did not upload all of it (its upload failed, or it
+            # was killed): what of it belongs to this run is merged in when the stored records are read.
+            open(self.path, "ab").close()
+            self._kept = os.path.getsize(self.path)  # bytes at the start of the copy
+            self._unflushed = self._kept > 0
             self._continue_stored()
 
     def _continue_stored(self) -> bool:
-        """Put what ``uri`` holds before the records appended here. While storage cannot be read, this is logged
-        and left to the next flush: a log opened in an outage (a resumed driver's first report) must not raise."""
+        """Merge what ``uri`` holds with the records of this node's copy. While storage cannot be read, this is
+        logged and left to the next flush: a log opened in an outage (a resumed driver's first report) must not
+        raise."""
         try:
             stored = storage.read_bytes(self.uri) if storage.exists(self.uri) else b""
         except OSError as exc:
             logger.warning("could not read %s (read again before the next upload): %s", self.uri, exc)
             return False
         with open(self.path, "rb") as f:
-            appended = f.read()
+            local = f.read()
+        if local:  # records appended here, or kept from an earlier writer: merged with the stored ones
+            stored_records = _records(stored)
+            kept, appended = _records(local[: self._kept]), _records(local[self._kept :])
+            stored = _merged(stored_records, _of_the_run(kept, stored_records) + appended)
         with open(self.path, "wb") as f:
-            f.write(stored + appended)
+            f.write(stored)
         self._continued = True
         return True
 
     def append(self, record: dict[str, Any]) -> None:
         with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps({"time": time.time(), **record}) + "\n")
         self._unflushed = True
 
     def flush(self) -> bool:
@@ -85,11 +96,30 @@ class JsonlLog:
 
     def close(self) -> None:
         """Flush, and delete this node's copy once uploaded: a later ``JsonlLog(uri)`` starts again from what
-        ``uri`` holds. Where the upload failed, the copy stays, the only one with every record (logged)."""
+        ``uri`` holds. Where the upload failed, the copy stays, the only one with every record (logged), and a
+        later writer of ``uri`` on this node merges it in."""
         if self.flush():
             drop_node_local_copy(self.uri)
         else:
             logger.warning("%s keeps the records %s lacks", self.path, self.uri)
+
+
+def _records(jsonl: bytes) -> list[tuple[float, bytes]]:
+    """Each line with its record's time (a log written before records were stamped has none: the oldest)."""
+    return [(json.loads(line).get("time", 0.0), line) for line in jsonl.splitlines()]
+
+
+def _of_the_run(kept: list[tuple[float, bytes]], stored: list[tuple[float, bytes]]) -> list[tuple[float, bytes]]:
+    """The records of a copy an earlier writer on this node left that belong to the run storage holds: those
+    since its first record. Storage holding none, the run is a new one (where a run of the same name was deleted)."""
+    return [record for record in kept if record[0] >= stored[0][0]] if stored else []
+
+
+def _merged(stored: list[tuple[float, bytes]], local: list[tuple[float, bytes]]) -> bytes:
+    """The records of both, each once, in time order: ``local`` may hold records that ``stored`` holds too (those a
+    writer continued) and records older than some ``stored`` holds (a copy left while a writer elsewhere went on)."""
+    unique = dict.fromkeys(stored + local)
+    return b"".join(line + b"\n" for _, line in sorted(unique))
 
 
 def try_upload(upload: Callable[[], None], uri: str, local: str) -> bool:
