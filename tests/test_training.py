@@ -27,6 +27,9 @@ from train.timeline import progress_of
 
 pytestmark = pytest.mark.cluster
 
+# A DeepSpeed config that splits the tiny model's ZeRO-3 partitions into several optimizer sub-groups.
+ZERO3_SUB_GROUPS = os.path.join(os.path.dirname(__file__), "zero3_sub_groups.json")
+
 
 def _train_losses(cfg) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in read_metrics(run_uri(cfg)) if "loss" in m}
@@ -147,8 +150,11 @@ def test_resume_skips_half_written_checkpoint_and_matches_uninterrupted_losses(t
         # Whole state in one file, loaded as it is (the GPU recipes' auto stage on large GPUs): its conversion
         # failed ("can't find *_optim_states.pt files"), so a stage-0 run could not resize.
         ["run.name=zero0", "deepspeed.zero_stage=0", "deepspeed.precision=bf16"],
+        # Several optimizer sub-groups (parameter groups, and partitions split at sub_group_size, as in large
+        # models): DeepSpeed's ZeRO-3 universal load gave them one shared step counter.
+        ["run.name=zero3", "deepspeed.zero_stage=3", f"deepspeed.config_file={ZERO3_SUB_GROUPS}"],
     ],
-    ids=["zero1-offload", "zero0-bf16"],
+    ids=["zero1-offload", "zero0-bf16", "zero3"],
 )
 def test_restore_at_another_world_size_is_exact(tiny_config, zero):
     """2 workers checkpoint, 1 worker continues."""

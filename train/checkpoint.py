@@ -312,6 +312,19 @@ def _universal_files_for(engine, uri: str) -> Callable[[list[int]], list[str] | 
     return lambda ranks: universal_files_for_params(_file_sizes(uri), set().union(*(every_rank[r] for r in ranks)))
 
 
+def _mend_zero3_universal_load(optimizer, decays: list[float]) -> None:
+    """Undo what DeepSpeed 0.19.8's ZeRO-3 universal load (``load_hp_checkpoint_state_from_checkpoint_dir_stage3``)
+    gets wrong where the optimizer has more than one sub-group: two parameter groups (the decayed and the rest),
+    or one group whose partition exceeds ``sub_group_size``. It gives every sub-group's state one shared ``step``
+    tensor, which torch's AdamW then advances once per sub-group each step (the bias corrections run ahead), and
+    every group the first group's hyperparameters (the undecayed group decayed)."""
+    for state in optimizer.optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+    for group, decay in zip(optimizer.param_groups, decays, strict=True):
+        group["weight_decay"] = decay
+
+
 def needs_universal(checkpoint: dict[str, Any], world_size: int) -> bool:
     """Whether loading at ``world_size`` goes through the universal format: DeepSpeed refuses ZeRO shards
     (stages 1-3) of another data-parallel size. A stage-0 checkpoint has none: its one model-states file holds
@@ -396,9 +409,12 @@ def load(engine, checkpoint: dict[str, Any], universal: bool) -> None:
     else:
         uri = checkpoint["uri"]
         files_for = functools.partial(files_for_ranks, list(checkpoint["files"]))
+    decays = [group["weight_decay"] for group in engine.optimizer.param_groups]  # see _mend_zero3_universal_load
     with _local_dir(uri, files_for) as local:
         load_path, _ = engine.load_checkpoint(
             os.path.dirname(local), tag=os.path.basename(local), load_lr_scheduler_states=False
         )
     if load_path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {checkpoint['uri']}")
+    if universal and engine.zero_optimization_stage() == 3:
+        _mend_zero3_universal_load(engine.optimizer, decays)
