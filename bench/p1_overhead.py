@@ -30,6 +30,7 @@ from ray.train.torch import TorchTrainer
 
 from train.config import load_config
 from train.data import load_split
+from train.ds_config import parameter_groups
 from train.launch import ensure_dataset, init_ray, run_training, run_uri
 from train.metrics import steady_step_seconds
 from train.model import GPT
@@ -42,7 +43,7 @@ def bare_loop_step_time(cfg, rows: np.ndarray, steps: int, warmup: int) -> float
     torch.manual_seed(cfg.run.seed)
     model = GPT(cfg.model)
     o = cfg.optim
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    opt = torch.optim.AdamW(parameter_groups(model, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps)
     accum = o.global_batch_size // o.micro_batch_size
     tokens = torch.from_numpy(rows.astype(np.int64))
     for step in range(warmup + steps):

@@ -25,7 +25,7 @@ import torch
 
 from train.config import config_from_dict, load_config
 from train.data import load_split
-from train.ds_config import compiles
+from train.ds_config import compiles, parameter_groups
 from train.export import load_exported
 from train.launch import ensure_dataset, init_ray, run_training, run_uri
 from train.memory import activation_bytes, model_state_bytes
@@ -41,7 +41,7 @@ def bare_step_seconds(cfg, rows: np.ndarray, steps: int, compiled: bool) -> floa
     model = GPT(cfg.model).cuda()
     o = cfg.optim
     opt = torch.optim.AdamW(
-        model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, fused=True
+        parameter_groups(model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=True
     )
     forward = torch.compile(model) if compiled else model
     accum = o.global_batch_size // o.micro_batch_size

@@ -162,6 +162,26 @@ def test_a_resize_downloads_the_universal_state_of_this_machines_optimizer_parti
         assert torch.equal(before, after)
 
 
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_checkpoint_from_before_biases_and_layer_norms_were_exempt_from_decay_resumes_as_it_was_saved(
+    process_group, tmp_path, stage
+):
+    """Its optimizer state is in one group, which DeepSpeed refuses to load into two ("a different number of
+    parameter groups"): a run or an export resuming from it builds one, every parameter decayed as before."""
+    cfg = load_config("tiny", [f"deepspeed.zero_stage={stage}"])
+    saved = build_engine(cfg, GPT(cfg.model), world_size=1, exempt_norms_and_biases=False)
+    pending = checkpoint.begin_save(saved, str(tmp_path), 5, {"world_size": 1, "config": cfg.to_dict()})
+    assert checkpoint.written(pending, wait=True)
+    checkpoint.finish_save(pending, keep_last=1, tokenizer=ByteTokenizer())
+    before = checkpoint.latest_complete(str(tmp_path))  # its metadata as raywright wrote it then
+
+    exempt = checkpoint.exempts_norms_and_biases(before)
+    assert not exempt and checkpoint.exempts_norms_and_biases(None)  # a new run exempts them
+    resumed = build_engine(cfg, GPT(cfg.model), world_size=1, exempt_norms_and_biases=exempt)
+    checkpoint.load(resumed, before, universal=False)
+    assert [group["weight_decay"] for group in resumed.optimizer.param_groups] == [cfg.optim.weight_decay]
+
+
 def test_the_checkpoint_to_export_is_chosen_by_run_step_or_directory_and_a_bad_choice_is_named(tmp_path):
     run = tmp_path / "run"
     _step(run, 10, complete=True)

@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 CHECKPOINTS = "checkpoints"
 METADATA = "metadata.json"
 UNIVERSAL = "universal"
+# Metadata: the optimizer state is in two parameter groups, biases and LayerNorms undecayed (train/ds_config.py).
+NORMS_AND_BIASES_UNDECAYED = "norms_and_biases_undecayed"
 # DeepSpeed's files of one data-parallel rank: its ZeRO optimizer shard, and at stage 3 its model states.
 RANK_FILE = re.compile(r"zero_pp_rank_(\d+)_")
 
@@ -323,6 +325,13 @@ def _mend_zero3_universal_load(optimizer, decays: list[float]) -> None:
             state["step"] = state["step"].clone()
     for group, decay in zip(optimizer.param_groups, decays, strict=True):
         group["weight_decay"] = decay
+
+
+def exempts_norms_and_biases(ckpt: dict[str, Any] | None) -> bool:
+    """Whether a run that resumes from ``ckpt`` (None: a new run) exempts biases and LayerNorms from weight decay:
+    its optimizer must have the parameter groups the checkpoint's state was saved in (DeepSpeed refuses another
+    count), and checkpoints raywright wrote before the exemption have one group and no such metadata."""
+    return ckpt is None or ckpt.get(NORMS_AND_BIASES_UNDECAYED, False)
 
 
 def needs_universal(checkpoint: dict[str, Any], world_size: int) -> bool:

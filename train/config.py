@@ -47,7 +47,7 @@ class OptimConfig(Section):
     max_steps: int = Field(200, ge=1)
     """Optimizer steps of the whole run."""
     weight_decay: float = Field(0.1, ge=0.0)
-    """AdamW's decoupled weight decay."""
+    """AdamW's decoupled weight decay, of the weight matrices and embeddings (not of biases and LayerNorms)."""
     betas: list[float] = Field([0.9, 0.95], min_length=2, max_length=2)
     """AdamW's beta1 and beta2, each in [0, 1)."""
     eps: float = Field(1e-8, gt=0.0)

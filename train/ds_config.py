@@ -51,8 +51,15 @@ def build_ds_config(cfg: TrainConfig, world_size: int, load_universal: bool = Fa
     return config
 
 
-def build_engine(cfg: TrainConfig, model: torch.nn.Module, world_size: int, load_universal: bool = False):
-    """A DeepSpeed engine training ``model`` on this process's device, ``build_ds_config``'s arguments."""
+def build_engine(
+    cfg: TrainConfig,
+    model: torch.nn.Module,
+    world_size: int,
+    load_universal: bool = False,
+    exempt_norms_and_biases: bool = True,
+):
+    """A DeepSpeed engine training ``model`` on this process's device; ``build_ds_config``'s arguments, and
+    ``parameter_groups``'s exemption."""
     model.to(get_accelerator().current_device_name())  # where DeepSpeed puts it; the optimizer is built there
     _strip_cuda_arch_suffixes()
     ds_config = build_ds_config(cfg, world_size, load_universal)
@@ -60,10 +67,11 @@ def build_engine(cfg: TrainConfig, model: torch.nn.Module, world_size: int, load
         # The offloaded step then runs torch's AdamW on the host: slower than DeepSpeed's, the same math.
         del ds_config["optimizer"]
         ds_config["zero_force_ds_cpu_optimizer"] = False
+    groups = parameter_groups(model, cfg.optim.weight_decay, exempt_norms_and_biases)
     engine, *_ = deepspeed.initialize(
         model=model,
-        optimizer=_client_optimizer(cfg, ds_config, model),
-        model_parameters=model.parameters(),
+        optimizer=_client_optimizer(cfg, ds_config, groups),
+        model_parameters=groups,  # what a DeepSpeed-built optimizer (offload's CPU Adam) takes
         config=ds_config,
         dist_init_required=False,
     )
@@ -79,8 +87,26 @@ def compiles(cfg: TrainConfig) -> bool:
     return cfg.scaling.use_gpu and cfg.deepspeed.zero_stage in (0, 1)
 
 
-def _client_optimizer(cfg: TrainConfig, ds_config: dict[str, Any], model: torch.nn.Module) -> torch.optim.AdamW | None:
-    """torch's AdamW, or None where ``ds_config`` names the optimizer.
+def parameter_groups(
+    model: torch.nn.Module, weight_decay: float, exempt_norms_and_biases: bool = True
+) -> list[dict[str, Any]]:
+    """The weight matrices and embeddings decay; biases and LayerNorm gains and shifts do not (decaying a gain
+    pulls it toward 0, nothing a regularizer should do), as in GPT-2, nanoGPT and Megatron. Without the exemption,
+    one group that all decays: the optimizer state of checkpoints raywright wrote before it, which a run resuming
+    from one must build to load it (train/checkpoint.py, ``exempts_norms_and_biases``)."""
+    params = list(model.parameters())  # a tied weight once
+    if not exempt_norms_and_biases:
+        return [{"params": params, "weight_decay": weight_decay}]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def _client_optimizer(
+    cfg: TrainConfig, ds_config: dict[str, Any], groups: list[dict[str, Any]]
+) -> torch.optim.AdamW | None:
+    """torch's AdamW over ``groups``, or None where ``ds_config`` names the optimizer.
 
     DeepSpeed builds a configured AdamW as its FusedAdam, a JIT-built op: seconds of compiler probing
     on every worker (re)start, and a crash on images whose TORCH_CUDA_ARCH_LIST it cannot parse.
@@ -88,11 +114,7 @@ def _client_optimizer(cfg: TrainConfig, ds_config: dict[str, Any], model: torch.
     """
     if "optimizer" in ds_config:
         return None
-    # One parameter group, so LayerNorms and biases decay too (GPT-2 and Megatron exempt them): DeepSpeed 0.19.8's
-    # ZeRO-3 universal load gives every group the first group's hyperparameters, and with two groups a resized
-    # ZeRO-3 run's losses left the fixed-size run's (5e-5 at the first step after, even with the decays put back).
-    params = list(model.parameters())
-    return torch.optim.AdamW(params, **_adamw_params(cfg), fused=params[0].is_cuda)
+    return torch.optim.AdamW(groups, **_adamw_params(cfg), fused=groups[0]["params"][0].is_cuda)
 
 
 def _host_adam_entry(cfg: TrainConfig) -> dict[str, Any]:

@@ -80,7 +80,7 @@ def export_checkpoint(ckpt: dict[str, Any], out: str) -> None:
         if universal:
             checkpoint.universal_conversion(ckpt, scratch)
             source = {**ckpt, "uri": scratch}  # holds universal/, which the load reads
-        engine = build_engine(cfg, GPT(cfg.model), world_size=1, load_universal=universal)
+        engine = build_engine(cfg, GPT(cfg.model), 1, universal, checkpoint.exempts_norms_and_biases(ckpt))
         checkpoint.load(engine, source, universal)
         provenance = {key: ckpt[key] for key in ORIGIN if key in ckpt}
         provenance.update(step=ckpt["step"], config=ckpt["config"], checkpoint=ckpt["uri"])

@@ -205,7 +205,8 @@ class Trainer:
         model = GPT(cfg.model)
         if cfg.model.init_from and latest is None:
             load_weights(model, cfg.model.init_from)
-        self.engine = build_engine(cfg, model, world, load_universal=universal)
+        self.exempt_norms_and_biases = checkpoint.exempts_norms_and_biases(latest)
+        self.engine = build_engine(cfg, model, world, universal, self.exempt_norms_and_biases)
         if self.rank == 0 and compiles(cfg):
             print(f"compiling the model with torch.compile (run.compile: {cfg.run.compile})", flush=True)
         if cfg.checkpoint.async_write:
@@ -396,6 +397,7 @@ class Trainer:
             **self.args["provenance"],  # the dataset's and the code's: what an export of this checkpoint names
             "samples_seen": step * cfg.optim.global_batch_size,
             "reason": reason,
+            checkpoint.NORMS_AND_BIASES_UNDECAYED: self.exempt_norms_and_biases,
         }
         self.pending = checkpoint.begin_save(self.engine, self.run_uri, step, metadata)
         self.stall_seconds = time.time() - start
