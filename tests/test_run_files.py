@@ -96,6 +96,8 @@ def test_a_copy_an_upload_failed_to_store_is_merged_in_time_order_by_the_next_wr
     elsewhere.close()
     os.makedirs(os.path.dirname(first.path))
     os.replace(tmp_path / "kept", first.path)
+    with open(first.path, "a") as f:
+        f.write('{"time": 1e10, "step": 3, "by": "fir')  # an append cut short by a kill: dropped
 
     back = JsonlLog(uri)  # rank 0 back on the first node
     back.append({"step": 3})

@@ -105,8 +105,16 @@ class JsonlLog:
 
 
 def _records(jsonl: bytes) -> list[tuple[float, bytes]]:
-    """Each line with its record's time (a log written before records were stamped has none: the oldest)."""
-    return [(json.loads(line).get("time", 0.0), line) for line in jsonl.splitlines()]
+    """Each line with its record's time (a log written before records were stamped has none: the oldest). A line
+    that is not JSON, the last append of a writer killed while it wrote, is dropped (logged): it must not end
+    the run of the writer that merges the copy."""
+    records = []
+    for line in jsonl.splitlines():
+        try:
+            records.append((json.loads(line).get("time", 0.0), line))
+        except ValueError:
+            logger.warning("dropped a record cut short: %r", line[:200])
+    return records
 
 
 def _of_the_run(kept: list[tuple[float, bytes]], stored: list[tuple[float, bytes]]) -> list[tuple[float, bytes]]:
