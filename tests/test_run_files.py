@@ -17,6 +17,17 @@ def steps(uri: str) -> list[int]:
     return [record["step"] for record in read_jsonl(uri)]
 
 
+def store_from_another_node(uri: str, record: dict, node_copy: str, aside: str) -> None:
+    """A writer on another node stores ``record``; this node's copy of ``uri`` is set aside meanwhile (both
+    nodes are this machine), as it would sit on its own node."""
+    os.replace(node_copy, aside)
+    elsewhere = JsonlLog(uri)
+    elsewhere.append(record)
+    elsewhere.close()
+    os.makedirs(os.path.dirname(node_copy))
+    os.replace(aside, node_copy)
+
+
 def test_a_remote_log_is_uploaded_when_flushed_continued_by_a_writer_on_another_node_and_left_nowhere_else(
     s3_bucket,
 ):
@@ -90,12 +101,7 @@ def test_a_copy_an_upload_failed_to_store_is_merged_in_time_order_by_the_next_wr
     first.append({"step": 2, "by": "first"})
     with s3_server.outage():
         first.close()  # the node keeps its copy, with step 2
-    os.replace(first.path, tmp_path / "kept")  # set aside while rank 0 redoes step 2 on another node
-    elsewhere = JsonlLog(uri)
-    elsewhere.append({"step": 2, "by": "elsewhere"})
-    elsewhere.close()
-    os.makedirs(os.path.dirname(first.path))
-    os.replace(tmp_path / "kept", first.path)
+    store_from_another_node(uri, {"step": 2, "by": "elsewhere"}, first.path, tmp_path / "kept")  # rank 0 redoes 2
     with open(first.path, "a") as f:
         f.write('{"time": 1e10, "step": 3, "by": "fir')  # an append cut short by a kill: dropped
 
@@ -116,12 +122,7 @@ def test_a_copy_left_by_a_deleted_run_is_not_merged_into_a_new_run_of_the_same_n
     deleted.append({"step": 1, "run": "deleted"})  # its driver is killed: the node keeps the copy
     # The user deletes the run (it never stored a record) and starts one of the same name.
     if new_run_first_stored_by == "another node":
-        os.replace(deleted.path, tmp_path / "kept")
-        elsewhere = JsonlLog(uri)
-        elsewhere.append({"step": 1, "run": "new"})
-        elsewhere.close()
-        os.makedirs(os.path.dirname(deleted.path))
-        os.replace(tmp_path / "kept", deleted.path)
+        store_from_another_node(uri, {"step": 1, "run": "new"}, deleted.path, tmp_path / "kept")
     log = JsonlLog(uri)
     log.append({"step": 2, "run": "new"})
     log.close()

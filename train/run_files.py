@@ -20,6 +20,7 @@ from typing import Any
 from train import storage
 
 logger = logging.getLogger(__name__)
+Record = tuple[float, bytes]  # a JSON line and the time it holds, what the merge of two copies orders by
 
 
 def node_local_copy(uri: str) -> str:
@@ -104,7 +105,7 @@ class JsonlLog:
             logger.warning("%s keeps the records %s lacks", self.path, self.uri)
 
 
-def _records(jsonl: bytes) -> list[tuple[float, bytes]]:
+def _records(jsonl: bytes) -> list[Record]:
     """Each line with its record's time (a log written before records were stamped has none: the oldest). A line
     that is not JSON, the last append of a writer killed while it wrote, is dropped (logged): it must not end
     the run of the writer that merges the copy."""
@@ -117,13 +118,13 @@ def _records(jsonl: bytes) -> list[tuple[float, bytes]]:
     return records
 
 
-def _of_the_run(kept: list[tuple[float, bytes]], stored: list[tuple[float, bytes]]) -> list[tuple[float, bytes]]:
+def _of_the_run(kept: list[Record], stored: list[Record]) -> list[Record]:
     """The records of a copy an earlier writer on this node left that belong to the run storage holds: those
     since its first record. Storage holding none, the run is a new one (where a run of the same name was deleted)."""
     return [record for record in kept if record[0] >= stored[0][0]] if stored else []
 
 
-def _merged(stored: list[tuple[float, bytes]], local: list[tuple[float, bytes]]) -> bytes:
+def _merged(stored: list[Record], local: list[Record]) -> bytes:
     """The records of both, each once, in time order: ``local`` may hold records that ``stored`` holds too (those a
     writer continued) and records older than some ``stored`` holds (a copy left while a writer elsewhere went on)."""
     unique = dict.fromkeys(stored + local)
