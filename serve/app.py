@@ -41,6 +41,8 @@ from train.hf_gpt2 import CONFIG
 from train.tokenizer import EOT
 
 logger = logging.getLogger(__name__)
+# How long past the request timeout a stopping replica waits: for the timed-out requests' own replies.
+SHUTDOWN_MARGIN_S = 5.0
 
 api = FastAPI(title="raywright", description="OpenAI-compatible completions of a GPT served by raywright.")
 
@@ -490,4 +492,8 @@ def deployment_for(cfg: ServeConfig):
             "target_ongoing_requests": cfg.target_ongoing_requests,
         },
         ray_actor_options={"num_cpus": cfg.cpus_per_replica, "num_gpus": 1 if gpu else 0},
+        # A replica that Serve stops (a new version deployed, a scale-down, a drained spot node) takes no new
+        # requests and is killed once those in flight are done or this has passed: every one of them may run
+        # to its own timeout (Serve's default of 20 s cut longer generations off with a 500).
+        graceful_shutdown_timeout_s=cfg.request_timeout_s + SHUTDOWN_MARGIN_S,
     )

@@ -47,7 +47,8 @@ class ServeConfig(Section):
     RAYWRIGHT_API_KEY, else no key. The key itself is never a config value: Serve stores configs where
     others can read them."""
     request_timeout_s: float = Field(300.0, gt=0.0)
-    """A request still generating then ends with 504 (or an error event when streaming)."""
+    """A request still generating then ends with 504 (or an error event when streaming). A replica that Serve
+    stops lets its requests in flight run this long (plus a few seconds) before it is killed."""
     max_request_bytes: int = Field(1_000_000, ge=1)
     """Larger bodies get 413 before anything reads them."""
 

@@ -1,6 +1,7 @@
 """Real HTTP to real Ray Serve apps on 127.0.0.1: completions, streaming, batching, bad input, keys, overload."""
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -386,6 +387,34 @@ def test_dropped_streams_free_their_slots_and_a_new_request_completes(server):
     ready = requests.get(f"{server}/ready", timeout=10).json()
     # Had the dropped streams run to the end, they would have generated 64 x 94 tokens.
     assert ready["generated_tokens"] - before < 64 * 94 / 3 and ready["waiting"] == 0
+
+
+def test_a_redeploy_lets_every_request_in_flight_on_the_replaced_replica_finish(server, memorized_export):
+    """A new version of the app (a new checkpoint, a changed setting) replaces its replica; Serve stops the old one
+    once its requests in flight are done, but for no longer than its graceful shutdown timeout, whose default of
+    20 s cut off requests that raywright lets run for request_timeout_s. Here the old replica holds ~35 s of
+    requests (it decodes one at a time) when the new version is deployed."""
+    args = {"checkpoint": memorized_export, "cpus_per_replica": 0.25, "max_batch_size": 1, "max_ongoing_requests": 1024}
+    serve.run(build_app(args), name="redeployed", route_prefix="/redeployed")
+    url, body = f"{server}/redeployed", {"prompt": "K", "max_tokens": 90, "temperature": 0}
+    alone = complete(url, **body).json()["choices"][0]["text"]
+    started = time.monotonic()
+    for _ in range(3):
+        complete(url, **body)
+    count = min(1000, math.ceil(35 / ((time.monotonic() - started) / 3)))
+
+    def load() -> int:
+        ready = requests.get(f"{url}/ready", timeout=10).json()
+        return ready["in_flight"] + ready["waiting"]
+
+    with ThreadPoolExecutor(count) as pool:
+        replies = [pool.submit(complete, url, timeout=300, **body) for _ in range(count)]
+        wait_for_condition(lambda: load() >= count * 0.9, timeout=30)
+        serve.run(build_app({**args, "request_timeout_s": 299.0}), name="redeployed", route_prefix="/redeployed")
+        replies = [reply.result() for reply in replies]
+    assert [reply.status_code for reply in replies] == [200] * count
+    assert all(reply.json()["choices"][0]["text"] == alone for reply in replies)
+    serve.delete("redeployed")
 
 
 def test_body_size_is_limited_before_the_key_is_checked(server):
