@@ -1,5 +1,6 @@
 """Sweeps of the real training loop on a real Ray: ASHA, concurrency, best recipe, resume, pre-emption, notebook."""
 
+import json
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 import yaml
 from ray.util.state import list_actors
 
+from cluster.drain import drain_node
 from train.config import load_config
 from train.launch import run_training
 from train.schema import ConfigError
@@ -28,6 +30,8 @@ SPACE = {
     "optim.warmup_steps": {"int": [0, 10]},
     "model.d_model": {"choice": [64, 128]},
 }
+# A trial's complete checkpoints, under the sweep's trials directory.
+METADATA_GLOB = "*/checkpoints/step_*/metadata.json"
 SHORT = ["optim.max_steps=40", "optim.warmup_steps=5", "run.eval_every=10", "checkpoint.every_steps=10"]
 
 
@@ -171,13 +175,14 @@ def test_sweep_resumes_after_its_driver_is_killed_within_its_step_budget(ray_ses
 
 
 def test_trial_resumes_from_its_checkpoint_on_another_spot_node(ray_session, tiny_dataset, tmp_path):
-    """A spot node is removed mid-trial: Tune restarts the trial on the other spot node, from its checkpoint."""
+    """A spot node gets its pre-emption notice mid-trial, then is removed at the deadline: the trial checkpoints at
+    the notice and before the deadline, and Tune restarts it on the other spot node, from its checkpoint."""
     spot_nodes = [ray_session.add_node(num_cpus=1, resources={"spot": 1}) for _ in range(2)]
     ray_session.wait_for_nodes()
     result = []
     options = {
         "name": "preempt",
-        "set": [*SHORT, "optim.max_steps=80"],
+        "set": [*SHORT, "optim.max_steps=500", "checkpoint.preemption_check_s=1"],
         "space": {"optim.lr": {"choice": [3e-3]}},
         "num_trials": 1,
         "storage_path": str(tmp_path),
@@ -193,27 +198,35 @@ def test_trial_resumes_from_its_checkpoint_on_another_spot_node(ray_session, tin
         while not any(step >= 20 for step in saved):
             assert sweep_thread.is_alive() and time.time() < deadline, "the trial never checkpointed step 20"
             time.sleep(0.2)
-            saved = [int(p.parent.name[len("step_") :]) for p in checkpoints.glob("*/checkpoints/step_*/metadata.json")]
+            saved = [int(p.parent.name[len("step_") :]) for p in checkpoints.glob(METADATA_GLOB)]
         (trial_actor,) = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if "ImplicitFunc" in a.class_name]
         lost = next(n for n in spot_nodes if n.node_id == trial_actor.node_id)
-        ray_session.remove_node(lost, allow_graceful=False)
+        drain_node(lost.node_id, deadline_s=4)  # far from the trial's end: ~400 steps on
+        reasons = {}  # of every checkpoint seen (keep_last prunes them as the trial goes on)
+        while "deadline" not in reasons.values():
+            assert sweep_thread.is_alive() and time.time() < deadline, f"no checkpoint before the deadline: {reasons}"
+            time.sleep(0.1)
+            reasons |= {p.parent.name: json.loads(p.read_text())["reason"] for p in checkpoints.glob(METADATA_GLOB)}
+        assert "preemption" in reasons.values(), reasons  # the just-in-time one, at the notice
+        if lost in ray_session.worker_nodes:
+            ray_session.remove_node(lost, allow_graceful=False)  # the instance ends
         sweep_thread.join(timeout=300)
     finally:
         for node in spot_nodes:
             if node in ray_session.worker_nodes:
                 ray_session.remove_node(node)
     (trial,) = result[0].trials.to_dict("records")
-    assert trial["steps"] == 80 and trial["node_id"] != lost.node_id
+    assert trial["steps"] == 500 and trial["node_id"] != lost.node_id
     progress = pd.read_csv(next((tmp_path / "sweeps" / "preempt").glob("run_trial*/progress.csv")))
     # Tune keeps the trial's history across the restart: it ran on the lost node, then on the other one,
     # and its evaluations continue from the checkpoint instead of starting again at step 0.
     assert list(progress["node_id"].unique()) == [lost.node_id, trial["node_id"]]
     # (An evaluation between the last checkpoint and the node loss may be reported twice.)
     steps = progress["step"].tolist()
-    assert steps.count(0) == 1 and sorted(set(steps)) == list(range(0, 81, 10)), steps
+    assert steps.count(0) == 1 and sorted(set(steps)) == list(range(0, 501, 10)), steps
     # keep_trial_checkpoints: the ended trial keeps its newest (keep_last 2 of the tiny recipe).
-    kept = sorted(p.parent.name for p in checkpoints.glob("*/checkpoints/step_*/metadata.json"))
-    assert kept == ["step_00000070", "step_00000080"], kept
+    kept = sorted(p.parent.name for p in checkpoints.glob(METADATA_GLOB))
+    assert kept == ["step_00000490", "step_00000500"], kept
 
 
 def test_a_sweep_ends_once_its_step_budget_is_spent(ray_session, tiny_dataset, tmp_path):

@@ -4,7 +4,9 @@ A one-worker trial runs the loop in its own process as a one-rank DeepSpeed job 
 gloo/NCCL group, no Ray Train start-up, which costs ~40 s per trial here). A trial of more workers
 runs a Ray Train DeepSpeed job from its process (Train inside Tune). Either way the trial's run
 directory is named by the trial id, so a trial restarted after its node was lost or pre-empted, or
-after the sweep was restored, resumes from its last checkpoint instead of starting over.
+after the sweep was restored, resumes from its last checkpoint instead of starting over. A one-worker
+trial whose node Ray drains for a pre-emption (a spot notice) checkpoints as a training run's workers do:
+at once, and again shortly before the deadline.
 """
 
 import math
@@ -13,6 +15,7 @@ from typing import Any
 
 import ray
 from ray import tune
+from ray.train import PreemptionInfo
 from ray.tune.integration.ray_train import TuneReportCallback
 
 from train import storage
@@ -71,6 +74,16 @@ class _EvaluationsToTune(TuneReportCallback):
             super().after_report(run_context, [evaluation], None)  # checkpoints are raywright's own
 
 
+def this_nodes_preemption() -> PreemptionInfo | None:
+    """The pre-emption notice of the node this process runs on, read as Ray Train's watcher reads it for its
+    workers (which a one-process trial does not have): whether Ray drains the node, and by when."""
+    node = ray.get_runtime_context().get_node_id()
+    deadline_ms = ray._private.state.state.get_draining_nodes().get(node)
+    if deadline_ms is None:
+        return None
+    return PreemptionInfo(deadline_ms=deadline_ms or None, preempted_node_to_ranks={node: [0]})  # 0: no deadline
+
+
 def run_trial(params: dict[str, Any], sweep: SweepConfig, data_path: str, manifest: dict) -> None:
     """The Tune trainable (bound with ``tune.with_parameters``)."""
     cfg = trial_config(sweep, params, tune.get_context().get_trial_id(), data_path)
@@ -86,4 +99,4 @@ def run_trial(params: dict[str, Any], sweep: SweepConfig, data_path: str, manife
             tune.report(evaluation)
 
     with one_process_group(cfg.scaling.use_gpu):
-        train_loop(loop_args(cfg, data_path, manifest), report=report, preemption_info=lambda: None)
+        train_loop(loop_args(cfg, data_path, manifest), report=report, preemption_info=this_nodes_preemption)
