@@ -9,6 +9,7 @@ trial whose node Ray drains for a pre-emption (a spot notice) checkpoints as a t
 at once, and again shortly before the deadline.
 """
 
+import logging
 import math
 import time
 from typing import Any
@@ -23,6 +24,8 @@ from train.launch import build_trainer, loop_args
 from train.loop import train_loop
 from train.process_group import one_process_group
 from tune.config import SweepConfig, override
+
+logger = logging.getLogger(__name__)
 
 
 def trial_config(sweep: SweepConfig, params: dict[str, Any], trial_id: str, data_path: str):
@@ -76,9 +79,14 @@ class _EvaluationsToTune(TuneReportCallback):
 
 def this_nodes_preemption() -> PreemptionInfo | None:
     """The pre-emption notice of the node this process runs on, read as Ray Train's watcher reads it for its
-    workers (which a one-process trial does not have): whether Ray drains the node, and by when."""
+    workers (which a one-process trial does not have): whether Ray drains the node, and by when. A GCS that
+    does not answer is no notice (logged; asked again at the next check), as for Ray Train's watcher."""
     node = ray.get_runtime_context().get_node_id()
-    deadline_ms = ray._private.state.state.get_draining_nodes().get(node)
+    try:
+        deadline_ms = ray._private.state.state.get_draining_nodes().get(node)
+    except Exception:
+        logger.warning("could not read this node's drain state from Ray", exc_info=True)
+        return None
     if deadline_ms is None:
         return None
     return PreemptionInfo(deadline_ms=deadline_ms or None, preempted_node_to_ranks={node: [0]})  # 0: no deadline
