@@ -63,6 +63,11 @@ def complete(url: str, timeout: float = 60, **body) -> requests.Response:
     return requests.post(f"{url}/v1/completions", json=body, timeout=timeout)
 
 
+def ready(url: str) -> dict:
+    """The app's /ready: its replica's load (sequences decoding, requests waiting, tokens generated) and model."""
+    return requests.get(f"{url}/ready", timeout=10).json()
+
+
 def stream_text(response: requests.Response) -> tuple[str, str | None]:
     """Joined text and last finish_reason of an SSE completion stream, which must end in [DONE]."""
     events = [line[len("data: ") :] for line in response.iter_lines(decode_unicode=True) if line.startswith("data: ")]
@@ -83,7 +88,7 @@ def test_completion_recites_the_model_text(server):
     assert body["model"] == "memorized" and body["usage"]["prompt_tokens"] == len("Grüße aus".encode())
     assert requests.get(f"{server}/v1/models", timeout=10).json()["data"][0]["id"] == "memorized"
     assert requests.get(f"{server}/health", timeout=10).status_code == 200
-    assert requests.get(f"{server}/ready", timeout=10).json()["precision"] == "int8"
+    assert ready(server)["precision"] == "int8"
 
 
 def test_streamed_text_equals_the_completion_with_multibyte_characters(server):
@@ -367,7 +372,7 @@ def test_chat_completions_for_models_with_a_chat_template_only(server):
 
 
 def test_dropped_streams_free_their_slots_and_a_new_request_completes(server):
-    before = requests.get(f"{server}/ready", timeout=10).json()["generated_tokens"]
+    before = ready(server)["generated_tokens"]
 
     def open_then_drop(_) -> None:
         with requests.post(
@@ -383,10 +388,10 @@ def test_dropped_streams_free_their_slots_and_a_new_request_completes(server):
     started = time.monotonic()
     assert complete(server, prompt="Grüße", max_tokens=5, temperature=0).json()["choices"][0]["text"] == " aus "
     assert time.monotonic() - started < 10
-    wait_for_condition(lambda: requests.get(f"{server}/ready", timeout=10).json()["in_flight"] == 0, timeout=10)
-    ready = requests.get(f"{server}/ready", timeout=10).json()
+    wait_for_condition(lambda: ready(server)["in_flight"] == 0, timeout=10)
+    load = ready(server)
     # Had the dropped streams run to the end, they would have generated 64 x 94 tokens.
-    assert ready["generated_tokens"] - before < 64 * 94 / 3 and ready["waiting"] == 0
+    assert load["generated_tokens"] - before < 64 * 94 / 3 and load["waiting"] == 0
 
 
 def test_a_redeploy_lets_every_request_in_flight_on_the_replaced_replica_finish(server, memorized_export):
@@ -404,8 +409,8 @@ def test_a_redeploy_lets_every_request_in_flight_on_the_replaced_replica_finish(
     count = min(1000, math.ceil(35 / ((time.monotonic() - started) / 3)))
 
     def load() -> int:
-        ready = requests.get(f"{url}/ready", timeout=10).json()
-        return ready["in_flight"] + ready["waiting"]
+        replica = ready(url)
+        return replica["in_flight"] + replica["waiting"]
 
     with ThreadPoolExecutor(count) as pool:
         replies = [pool.submit(complete, url, timeout=300, **body) for _ in range(count)]
