@@ -1,9 +1,12 @@
 """P4 recovery seconds and P4g goodput of elastic runs on a simulated cluster.
 
-    python bench/elastic.py recovery [--notice-s 20] [--zero-stage 2] [--max-steps 400]
+    python bench/elastic.py recovery [--notice-s 20] [--zero-stage 2] [--max-steps 400] [--data-gb 0]
     python bench/elastic.py goodput [--minutes 30] [--preempt-every-min 10] [--notice-s 120] [--return-after-s 60]
 
-A head plus three one-worker spot nodes run the tiny recipe elastically between 2 and 3 workers.
+A head plus three one-worker spot nodes run the tiny recipe elastically between 2 and 3 workers. Each
+node has a $TMPDIR of its own, as a cloud node has its own disk, so a node that joins copies the data
+(train/data.py). ``--data-gb G`` trains on G GB of random tokens instead of the recipe's corpus (~40 MB),
+to time what that copy costs a grow.
 
 ``recovery`` plays the three events of a spot cluster once each: a node killed without notice (P4:
 seconds from the kill to the first finished step after the resume), a replacement node joining (the
@@ -27,14 +30,17 @@ import threading
 import time
 
 import ray
+from p8_loader_memory import write_dataset
 from ray.cluster_utils import Cluster
 
 from cluster.drain import drain_node
 from train.config import load_config
 from train.launch import run_training
 from train.timeline import progress_of, timeline_of
+from train.tokenizer import ByteTokenizer, save_tokenizer
 
 SLOT = "bench_worker_slot"
+NODE_DISKS = tempfile.mkdtemp(prefix="rw-elastic-disks-")
 
 
 def wait_for(name: str, condition, run_thread: threading.Thread, timeout: float = 600) -> dict:
@@ -55,7 +61,22 @@ def start_cluster() -> tuple[Cluster, list]:
 
 
 def add_spot_node(cluster: Cluster):
-    return cluster.add_node(num_cpus=1, resources={SLOT: 1, "spot": 1})
+    disk = tempfile.mkdtemp(dir=NODE_DISKS)
+    return cluster.add_node(num_cpus=1, resources={SLOT: 1, "spot": 1}, env_vars={"TMPDIR": disk})
+
+
+def random_dataset(gigabytes: float, seq_len: int) -> str:
+    """A prepared dataset of ``gigabytes`` of random byte-level tokens (uint16, as nodes copy it)."""
+    out = tempfile.mkdtemp(prefix="rw-elastic-data-")
+    write_dataset(out, int(gigabytes * 1e9 // (2 * (seq_len + 1))), seq_len)
+    with open(f"{out}/manifest.json") as f:
+        manifest = json.load(f)
+    tokenizer = ByteTokenizer()
+    manifest.update(tokenizer=tokenizer.spec(), tokens_per_byte=1.0, source="random", source_sha256="random")
+    save_tokenizer(tokenizer, out)
+    with open(f"{out}/manifest.json", "w") as f:
+        json.dump(manifest, f)
+    return out
 
 
 def bench_config(zero_stage: int, max_steps: int, *overrides: str):
@@ -95,7 +116,8 @@ def preempt(cluster: Cluster, nodes: list, notice_s: float) -> None:
 
 
 def recovery(args: argparse.Namespace, cluster: Cluster, nodes: list) -> dict:
-    cfg = bench_config(args.zero_stage, args.max_steps, "checkpoint.every_steps=50")
+    data = [f"data.path={random_dataset(args.data_gb, load_config('tiny').model.seq_len)}"] if args.data_gb else []
+    cfg = bench_config(args.zero_stage, args.max_steps, "checkpoint.every_steps=50", *data)
     run, result = start_run(cfg)
     name = cfg.run.name
 
@@ -152,6 +174,7 @@ def main() -> None:
     parser.add_argument("--zero-stage", type=int, default=2)
     parser.add_argument("--notice-s", type=float, help="pre-emption deadline (default: 20 recovery, 120 goodput)")
     parser.add_argument("--max-steps", type=int, default=400, help="recovery: the run's length")
+    parser.add_argument("--data-gb", type=float, default=0, help="recovery: train on this many GB of random tokens")
     parser.add_argument("--minutes", type=float, default=30, help="goodput: the measured window")
     parser.add_argument("--preempt-every-min", type=float, default=10)
     parser.add_argument("--return-after-s", type=float, default=60, help="goodput: a replacement node joins after")

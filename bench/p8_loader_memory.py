@@ -30,7 +30,7 @@ ROWS_PER_WORKER_STEP = 120  # the small recipe: 480 sequences a step over 4 work
 GOAL_ROWS_PER_S = 5100
 
 
-def write_dataset(out: str, rows: int) -> None:
+def write_dataset(out: str, rows: int, seq_len: int = SEQ_LEN) -> None:
     """A prepared dataset of ``rows`` random sequences, laid out as ``prepare`` writes it."""
     os.makedirs(f"{out}/train", exist_ok=True)
     os.makedirs(f"{out}/val", exist_ok=True)
@@ -38,15 +38,15 @@ def write_dataset(out: str, rows: int) -> None:
     shards, per_shard = [], 65536
     for start in range(0, rows, per_shard):
         count = min(per_shard, rows - start)
-        tokens = rng.integers(0, 257, size=count * (SEQ_LEN + 1), dtype=np.uint16)
-        column = pa.FixedSizeListArray.from_arrays(pa.array(tokens), SEQ_LEN + 1)
+        tokens = rng.integers(0, 257, size=count * (seq_len + 1), dtype=np.uint16)
+        column = pa.FixedSizeListArray.from_arrays(pa.array(tokens), seq_len + 1)
         name = f"train/{len(shards):05d}.parquet"
         pq.write_table(pa.table({"tokens": column}), f"{out}/{name}", row_group_size=8192)  # ~prepare's groups
         shards.append(name)
-    val = pa.FixedSizeListArray.from_arrays(pa.array(np.zeros(64 * (SEQ_LEN + 1), np.uint16)), SEQ_LEN + 1)
+    val = pa.FixedSizeListArray.from_arrays(pa.array(np.zeros(64 * (seq_len + 1), np.uint16)), seq_len + 1)
     pq.write_table(pa.table({"tokens": val}), f"{out}/val/00000.parquet")
     manifest = {
-        "seq_len": SEQ_LEN,
+        "seq_len": seq_len,
         "tokenizer": {"type": "byte", "vocab_size": 257},
         "train": {"shards": shards, "sequences": rows},
         "val": {"shards": ["val/00000.parquet"], "sequences": 64},

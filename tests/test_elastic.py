@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import sysconfig
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -43,16 +44,30 @@ def elastic_dataset(ray_session, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def worker_nodes(ray_cluster):
-    nodes = [_add_node(ray_cluster) for _ in range(3)]
+def node_disks(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("node-disks")
+
+
+@pytest.fixture(scope="module")
+def worker_nodes(ray_cluster, node_disks):
+    nodes = [_add_node(ray_cluster, node_disks) for _ in range(3)]
     yield nodes
     for node in nodes:
         if node in ray_cluster.worker_nodes:
             ray_cluster.remove_node(node, allow_graceful=False)
 
 
-def _add_node(cluster):
-    return cluster.add_node(num_cpus=1, resources={SLOT: 1, "spot": 1})
+def _add_node(cluster, disks: Path, disk: str | None = None):
+    """A node whose $TMPDIR is ``disk`` (a new folder of ``disks`` by default), as a cloud node has a disk of its
+    own: it starts without node-local copies."""
+    disk = disk or tempfile.mkdtemp(dir=disks)
+    return cluster.add_node(num_cpus=1, resources={SLOT: 1, "spot": 1}, env_vars={"TMPDIR": disk})
+
+
+def _data_copied_at(disk: str) -> float:
+    """When a node finished its copy of the training split (train/data.py), from the file's mtime."""
+    (copy,) = Path(disk).glob("raywright-data/*/train.u16")
+    return copy.stat().st_mtime
 
 
 def _wait_for(run_name: str, attempts: int, world_size: int, min_step: int, thread, timeout: float = 240) -> dict:
@@ -100,7 +115,9 @@ def _step_log(cfg) -> dict[int, dict]:
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_shrink_grow_and_preemption_keep_the_numbers_exact(stage, ray_cluster, worker_nodes, elastic_dataset, tmp_path):
+def test_shrink_grow_and_preemption_keep_the_numbers_exact(
+    stage, ray_cluster, worker_nodes, node_disks, elastic_dataset, tmp_path
+):
     rows = load_manifest(elastic_dataset)["train"]["sequences"]
     max_steps = -(-rows // GLOBAL_BATCH)  # one full epoch
     cfg = _config(elastic_dataset, str(tmp_path), f"elastic{stage}", stage, "[2,3]", max_steps)
@@ -112,7 +129,8 @@ def test_shrink_grow_and_preemption_keep_the_numbers_exact(stage, ray_cluster, w
     lost = worker_nodes[2]
     ray_cluster.remove_node(lost, allow_graceful=False)  # (a) a node dies without notice
     at = _wait_for(cfg.run.name, attempts=2, world_size=2, min_step=at["step"] + 2, thread=thread)
-    worker_nodes[2] = _add_node(ray_cluster)  # (b) capacity returns
+    returned_disk = tempfile.mkdtemp(dir=node_disks)
+    worker_nodes[2] = _add_node(ray_cluster, node_disks, returned_disk)  # (b) capacity returns
     at = _wait_for(cfg.run.name, attempts=3, world_size=3, min_step=at["step"] + 2, thread=thread)
     preempted = worker_nodes[1]
     drain_node(preempted.node_id, deadline_s=6)  # (c) a spot pre-emption notice with a deadline
@@ -121,7 +139,7 @@ def test_shrink_grow_and_preemption_keep_the_numbers_exact(stage, ray_cluster, w
     assert result, "the elastic run did not finish"
     if preempted in ray_cluster.worker_nodes:
         ray_cluster.remove_node(preempted, allow_graceful=False)
-    worker_nodes[1] = _add_node(ray_cluster)
+    worker_nodes[1] = _add_node(ray_cluster, node_disks)
     summary = result[0]
     elastic = summary.elastic
 
@@ -137,6 +155,9 @@ def test_shrink_grow_and_preemption_keep_the_numbers_exact(stage, ray_cluster, w
     # due first), then restarts within a control-loop tick: a step or two is redone, where Ray alone
     # restarts from the last periodic checkpoint (up to checkpoint.every_steps - 1 redone).
     assert elastic["resizes"][1]["steps_redone"] <= 4, elastic["resizes"][1]
+    # The returned node copied the data while the run trained on, before that checkpoint: no worker waited for it.
+    grow_checkpoint = next(c for c in elastic["checkpoints"] if c["step"] == elastic["resizes"][1]["at_step"])
+    assert _data_copied_at(returned_disk) < grow_checkpoint["time"]
     resumed = elastic["resizes"][2]["at_step"]
     assert resumed >= last[0] and resumed in {c["step"] for c in elastic["checkpoints"]}
     assert all(r["seconds_lost"] > 0 for r in elastic["resizes"])

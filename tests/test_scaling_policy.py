@@ -1,4 +1,5 @@
-"""raywright's one change to Ray Train: restarts sized on the cluster as it is (train/scaling_policy.py).
+"""raywright's one change to Ray Train: restarts sized on the cluster as it is, and grows that wait for
+the new node's copy of the data and a checkpoint (train/scaling_policy.py).
 
 Run against Ray's own policy first, so that this fails when Ray stops needing the change: right after
 a node is lost, Ray's policy still sizes the restart for the old cluster (Ray marks the node dead only
@@ -6,6 +7,8 @@ after its health checks fail, ~12 s here, and the coordinator's view is up to 20
 for what is left.
 """
 
+import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +16,7 @@ from ray._common.test_utils import wait_for_condition
 from ray.train import ScalingConfig
 from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy, ResizeDecision
 
+from train.early_checkpoint import latest_checkpoint_request, record_checkpoint
 from train.scaling_policy import FreshViewElasticPolicy
 
 pytestmark = pytest.mark.cluster
@@ -26,7 +30,10 @@ def _restart_size(policy) -> int | None:
 
 
 def _started(policy_class, run_id: str, **kwargs):
-    policy = policy_class(ScalingConfig(num_workers=(1, 2), resources_per_worker={"CPU": 1, SLOT: 1}), **kwargs)
+    scaling = ScalingConfig(
+        num_workers=(1, 2), resources_per_worker={"CPU": 1, SLOT: 1}, elastic_resize_monitor_interval_s=0
+    )
+    policy = policy_class(scaling, **kwargs)
     policy.after_controller_start(SimpleNamespace(run_id=run_id))  # what the controller does at its start
     return policy
 
@@ -43,9 +50,44 @@ def test_a_restart_after_a_node_loss_is_sized_for_the_nodes_left(ray_cluster):
         )
         rays.before_controller_abort()  # withdraw its reservation
 
-        ours = _started(FreshViewElasticPolicy, "raywright-policy", run_uri="/runs/policy-test")
+        ours = _started(FreshViewElasticPolicy, "raywright-policy", run_uri="/runs/policy-test", data_path="unused")
         assert _restart_size(ours) == 1
         ours.before_controller_abort()
     finally:
+        for node in nodes:
+            ray_cluster.remove_node(node, allow_graceful=False)
+
+
+def _data_copies(node_tmpdir: Path) -> list[str]:
+    """The splits a node holds node-local copies of (train/data.py keeps them under its $TMPDIR)."""
+    return sorted(p.name for p in node_tmpdir.glob("raywright-data/*/*.u16"))
+
+
+def test_a_grow_waits_until_every_node_has_the_data_then_for_a_checkpoint(ray_cluster, tiny_dataset, tmp_path):
+    """Each node with its own $TMPDIR, as cloud nodes have their own disks: the node that joins has no copy."""
+    tmpdirs = [tmp_path / "node-a", tmp_path / "node-b"]
+    for tmpdir in tmpdirs:
+        tmpdir.mkdir()
+    nodes = [ray_cluster.add_node(num_cpus=1, resources={SLOT: 1}, env_vars={"TMPDIR": str(tmpdirs[0])})]
+    run = str(tmp_path / "run")
+    policy = _started(FreshViewElasticPolicy, "grow-policy", run_uri=run, data_path=tiny_dataset)
+    one_worker = SimpleNamespace(num_workers=1, start_time=0.0)
+    try:
+        nodes.append(ray_cluster.add_node(num_cpus=1, resources={SLOT: 1}, env_vars={"TMPDIR": str(tmpdirs[1])}))
+
+        def copied_before_any_grow() -> bool:
+            decision = policy.make_decision_for_running_worker_group(one_worker, None)
+            assert not isinstance(decision, ResizeDecision), "grew before the new node had the data"
+            return all(_data_copies(tmpdir) == ["train.u16", "val.u16"] for tmpdir in tmpdirs)
+
+        wait_for_condition(copied_before_any_grow, timeout=60)
+        wait_for_condition(lambda: latest_checkpoint_request(run) > 0, timeout=10)  # then a checkpoint is asked
+        assert not isinstance(policy.make_decision_for_running_worker_group(one_worker, None), ResizeDecision)
+
+        record_checkpoint(run, time.time())  # rank 0, once the run's checkpoint is complete
+        decision = policy.make_decision_for_running_worker_group(one_worker, None)
+        assert isinstance(decision, ResizeDecision) and decision.num_workers == 2
+    finally:
+        policy.before_controller_abort()
         for node in nodes:
             ray_cluster.remove_node(node, allow_graceful=False)

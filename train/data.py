@@ -263,6 +263,13 @@ def load_manifest(path: str) -> dict | None:
     return storage.read_json(uri) if storage.exists(uri) else None
 
 
+def _prepared_manifest(path: str) -> dict:
+    manifest = load_manifest(path)
+    if manifest is None:
+        raise FileNotFoundError(f"data.path: {path!r} has no {MANIFEST}; run `python -m train.data prepare`")
+    return manifest
+
+
 def manifest_sha256(manifest: dict) -> str:
     """The identity of a prepared dataset, as checkpoints record it."""
     return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
@@ -274,10 +281,19 @@ def load_split(path: str, split: str) -> SplitRows:
     Rows are read from a node-local copy of the split (built once per node, a batch at a time), so a
     worker holds in memory only the rows of its step, however large the dataset.
     """
-    manifest = load_manifest(path)
-    if manifest is None:
-        raise FileNotFoundError(f"data.path: {path!r} has no {MANIFEST}; run `python -m train.data prepare`")
+    manifest = _prepared_manifest(path)
     return SplitRows(_node_local_split(path, split, manifest), manifest["seq_len"] + 1)
+
+
+def copy_to_this_node(path: str) -> None:
+    """Build this node's copies of the dataset's splits, which ``load_split`` reads, if not built yet.
+
+    The scaling policy runs this on a node before it grows a run onto it, so that the copy is made while
+    the run trains on rather than while every worker waits for the new one.
+    """
+    manifest = _prepared_manifest(path)
+    for split in SPLITS:
+        _node_local_split(path, split, manifest)
 
 
 def _node_local_split(path: str, split: str, manifest: dict) -> str:

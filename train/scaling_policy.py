@@ -11,9 +11,12 @@ whenever Ray's policy reads the cluster (at most once a second): for restarts, a
 check whether to grow, which would otherwise grow back onto a node that is already gone.
 
 Growing back is Ray's decision too, but a grow restarts the run from its latest checkpoint, which
-could be a whole checkpoint interval old. So the policy first asks the run for a checkpoint (through
-Ray's KV store, train/early_checkpoint.py) and restarts it at the larger size once that checkpoint is
-complete (or after ``GROW_CHECKPOINT_WAIT_S``): a planned grow redoes no steps.
+could be a whole checkpoint interval old, and the workers on a new node would first copy the training
+data to it (train/data.py), every other worker waiting. So before a grow the policy has each node that
+could hold a worker build its copy of the data, while the run trains on (up to ``GROW_DATA_WAIT_S``);
+then it asks the run for a checkpoint (through Ray's KV store, train/early_checkpoint.py) and restarts
+it at the larger size once that checkpoint is complete (or after ``GROW_CHECKPOINT_WAIT_S``): a planned
+grow redoes no steps and waits for no copy.
 
 It is the one change raywright makes to Ray Train, applied in one place (``ElasticTorchTrainer``);
 ``tests/test_scaling_policy.py`` fails when Ray's own policy stops needing it or changes shape.
@@ -22,6 +25,7 @@ It is the one change raywright makes to Ray Train, applied in one place (``Elast
 import logging
 import socket
 import time
+from dataclasses import dataclass
 
 import ray
 from ray.data._internal.cluster_autoscaler.base_autoscaling_coordinator import ReservedResources
@@ -38,13 +42,17 @@ from ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_cli
 )
 from ray.train.v2._internal.execution.worker_group import WorkerGroupPollStatus, WorkerGroupState
 from ray.train.v2._internal.util import time_monotonic
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from train.data import copy_to_this_node
 from train.early_checkpoint import latest_checkpoint_time, request_checkpoint
 
 logger = logging.getLogger(__name__)
 
 
 RAYLET_CONNECT_TIMEOUT_S = 0.5
+# A task beside the run's workers, so it asks for no CPU; its failure is logged and the grow goes on.
+copy_data_to_node = ray.remote(num_cpus=0, max_retries=0)(copy_to_this_node)
 
 
 def reachable_nodes(node_ids) -> set[str]:
@@ -62,32 +70,77 @@ def reachable_nodes(node_ids) -> set[str]:
     return reachable
 
 
+@dataclass
+class PendingGrow:
+    """A grow Ray's policy decided on, held back until the new nodes have the data and the run a checkpoint."""
+
+    decision: ResizeDecision
+    data_copies: list[ray.ObjectRef]  # one copy_data_to_node task per node that could hold a worker
+    since: float
+    checkpoint_asked: float | None = None
+
+
+def nodes_with_room(reserved: ReservedResources, per_worker: dict[str, float]) -> list[str]:
+    """The nodes whose reserved resources hold at least one worker."""
+    return [node for node, free in reserved.items() if all(free.get(r, 0.0) >= n for r, n in per_worker.items())]
+
+
 class FreshViewElasticPolicy(ElasticScalingPolicy):
     """Ray's elastic policy, with restarts sized on the cluster as it is now, not up to 20 s ago, and
-    grown only after a checkpoint of the run at ``run_uri``."""
+    grown only once the nodes have the run's data (at ``data_path``) and the run at ``run_uri`` a checkpoint."""
 
+    GROW_DATA_WAIT_S = 1800.0  # past it the grow goes on, and the new node's workers copy the rest
     GROW_CHECKPOINT_WAIT_S = 60.0
 
-    def __init__(self, scaling_config: ScalingConfig, run_uri: str):
+    def __init__(self, scaling_config: ScalingConfig, run_uri: str, data_path: str):
         super().__init__(scaling_config)
         self.run_uri = run_uri
-        self._pending_grow: tuple[ResizeDecision, float] | None = None  # and when its checkpoint was asked
+        self.data_path = data_path
+        self._pending_grow: PendingGrow | None = None
 
     def make_decision_for_running_worker_group(
         self, worker_group_state: WorkerGroupState, worker_group_status: WorkerGroupPollStatus
     ) -> ScalingDecision:
         if self._pending_grow is not None:
-            grow, asked = self._pending_grow
-            if latest_checkpoint_time(self.run_uri) >= asked or time.time() - asked > self.GROW_CHECKPOINT_WAIT_S:
-                self._pending_grow = None
-                return grow
-            return NoopDecision()
+            return self._advance(self._pending_grow)
         decision = super().make_decision_for_running_worker_group(worker_group_state, worker_group_status)
         if isinstance(decision, ResizeDecision) and decision.num_workers > worker_group_state.num_workers:
-            logger.info("checkpointing before growing to %d workers", decision.num_workers)
-            self._pending_grow = (decision, request_checkpoint(self.run_uri))
+            nodes = nodes_with_room(self._latest_reserved_resources or {}, decision.resources_per_worker)
+            logger.info("copying the data to %d nodes before growing to %d workers", len(nodes), decision.num_workers)
+            copies = [
+                copy_data_to_node.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
+                    self.data_path
+                )
+                for node in nodes
+            ]
+            self._pending_grow = PendingGrow(decision, copies, time.time())
             return NoopDecision()
         return decision
+
+    def _advance(self, grow: PendingGrow) -> ScalingDecision:
+        """The pending grow's next stage: wait for the data copies, then for a checkpoint, then grow."""
+        self._maybe_send_resource_request()  # as Ray's policy does at every poll: its request expires in 180 s
+        now = time.time()
+        if grow.checkpoint_asked is None:
+            done, copying = ray.wait(grow.data_copies, num_returns=len(grow.data_copies), timeout=0)
+            if copying and now - grow.since < self.GROW_DATA_WAIT_S:
+                return NoopDecision()
+            for copy in done:
+                try:
+                    ray.get(copy)
+                except Exception:  # a node gone or storage down: its workers copy (or wait) as at any start
+                    logger.warning("a node could not copy the data before the grow", exc_info=True)
+            if copying:
+                logger.warning("%d nodes still copy the data after %.0f s; growing", len(copying), now - grow.since)
+            logger.info("checkpointing before growing to %d workers", grow.decision.num_workers)
+            grow.checkpoint_asked = request_checkpoint(self.run_uri)
+            return NoopDecision()
+        if latest_checkpoint_time(self.run_uri) >= grow.checkpoint_asked or now - grow.checkpoint_asked > (
+            self.GROW_CHECKPOINT_WAIT_S
+        ):
+            self._pending_grow = None
+            return grow.decision
+        return NoopDecision()
 
     def make_decision_for_non_running_worker_group(self) -> ScalingDecision:
         self._pending_grow = None  # the run failed meanwhile: this restart is sized afresh
@@ -119,6 +172,8 @@ class ElasticTorchTrainer(TorchTrainer):
 
     def _initialize_and_run_controller(self, **controller_init_kwargs):
         if isinstance(controller_init_kwargs.get("scaling_policy"), ElasticScalingPolicy):
-            run_uri = self.train_loop_config["run_uri"]
-            controller_init_kwargs["scaling_policy"] = FreshViewElasticPolicy(self.scaling_config, run_uri)
+            config = self.train_loop_config
+            controller_init_kwargs["scaling_policy"] = FreshViewElasticPolicy(
+                self.scaling_config, config["run_uri"], config["data_path"]
+            )
         return super()._initialize_and_run_controller(**controller_init_kwargs)
