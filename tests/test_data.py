@@ -4,11 +4,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from ray._common.test_utils import wait_for_condition
 
 from train.data import COPY_SOURCE, list_source, load_manifest, load_split, prepare
 from train.loader import SampleOrder, micro_batch_samples
@@ -124,6 +126,48 @@ def test_a_node_local_copy_goes_when_its_dataset_is_deleted_or_prepared_again(ti
     assert np.array_equal(reading[deleted][:4], reading[kept][:4])  # a worker reading a dropped copy reads on
     assert np.array_equal(load_split(str(again), "train")[:], reading[kept][:])  # rebuilt for its new manifest
     assert built_from() == sorted(map(str, (kept, again, new)))
+
+
+def test_a_copy_cut_short_leaves_no_partial_file_on_the_node(tiny_dataset, tmp_path, monkeypatch):
+    """A worker killed while it copies (its group restarted mid-start) and a copy that fails leave nothing
+    behind: a partial copy is as large as the split, and every later try would add one beside it."""
+    node_tmp = tmp_path / "node-tmp"
+    node_tmp.mkdir()
+    dataset = shutil.copytree(tiny_dataset, tmp_path / "ds")
+    stalled_copy = textwrap.dedent(f"""
+        import tempfile, time
+        import pyarrow.parquet as pq
+        from train.data import load_split
+        tempfile.tempdir = {str(node_tmp)!r}
+        read_batches = pq.ParquetFile.iter_batches
+        def stall_after_the_first_batch(self, *args, **kwargs):  # storage that stops answering mid-copy
+            for batch in read_batches(self, *args, **kwargs):
+                yield batch
+                time.sleep(3600)
+        pq.ParquetFile.iter_batches = stall_after_the_first_batch
+        load_split({str(dataset)!r}, "train")
+    """)
+    copier = subprocess.Popen([sys.executable, "-c", stalled_copy])
+    copies = node_tmp / "raywright-data"
+    ours = {".lock", COPY_SOURCE}
+
+    def node_files() -> dict[str, int]:
+        return {f.name: f.stat().st_size for f in copies.glob("*/*")}
+
+    wait_for_condition(lambda: any(size for name, size in node_files().items() if name not in ours), timeout=60)
+    copier.kill()
+    copier.wait()
+
+    monkeypatch.setattr(tempfile, "tempdir", str(node_tmp))
+    (shard,) = load_manifest(str(dataset))["train"]["shards"][-1:]
+    (dataset / shard).write_bytes(b"not parquet")
+    with pytest.raises(pa.ArrowInvalid):
+        load_split(str(dataset), "train")
+    assert set(node_files()) == ours
+
+    shutil.copy(f"{tiny_dataset}/{shard}", dataset / shard)
+    assert np.array_equal(load_split(str(dataset), "train")[:], load_split(tiny_dataset, "train")[:])
+    assert {name for name in node_files() if name.startswith("train")} == {"train.u16"}
 
 
 def test_bad_sources_name_the_problem(ray_session, tmp_path):

@@ -314,17 +314,27 @@ def _node_local_split(path: str, split: str, manifest: dict) -> str:
             with open(record, "w") as f:
                 json.dump({"path": source, "manifest_sha256": identity}, f)
         if not os.path.exists(local):
-            fs, root = storage.resolve(path)
-            staging = f"{local}.{os.getpid()}.tmp"
-            with open(staging, "wb") as out:
-                for shard in manifest[split]["shards"]:
-                    with fs.open_input_file(f"{root}/{shard}") as source_file:
-                        for batch in pq.ParquetFile(source_file).iter_batches(batch_size=8192, columns=["tokens"]):
-                            out.write(
-                                batch.column("tokens").flatten().to_numpy().astype(np.uint16, copy=False).tobytes()
-                            )
+            # One name, as the lock makes this the node's only writer: opening it truncates what a writer that
+            # was killed mid-copy left, rather than leaving beside it another file as large as the split.
+            staging = f"{local}.partial"
+            try:
+                with open(staging, "wb") as out:
+                    _write_tokens(path, manifest[split]["shards"], out)
+            except BaseException:  # a copy that failed gives its disk back (checkpoints stage on the same disk)
+                with contextlib.suppress(OSError):
+                    os.unlink(staging)
+                raise
             os.replace(staging, local)  # complete, or not there
     return local
+
+
+def _write_tokens(path: str, shards: list[str], out) -> None:
+    """The tokens of the dataset's ``shards``, in order, to the file ``out`` as uint16, a batch at a time."""
+    fs, root = storage.resolve(path)
+    for shard in shards:
+        with fs.open_input_file(f"{root}/{shard}") as source_file:
+            for batch in pq.ParquetFile(source_file).iter_batches(batch_size=8192, columns=["tokens"]):
+                out.write(batch.column("tokens").flatten().to_numpy().astype(np.uint16, copy=False).tobytes())
 
 
 def _drop_orphaned_copies(copies: str) -> None:
