@@ -91,3 +91,24 @@ def test_a_grow_waits_until_every_node_has_the_data_then_for_a_checkpoint(ray_cl
         policy.before_controller_abort()
         for node in nodes:
             ray_cluster.remove_node(node, allow_graceful=False)
+
+
+def test_a_grow_is_called_off_when_a_node_cannot_copy_the_data(ray_cluster, tmp_path, caplog):
+    """A node gone or storage down while it copies: growing then would fail the restart; the run trains on."""
+    nodes = [ray_cluster.add_node(num_cpus=1, resources={SLOT: 1}) for _ in range(2)]
+    run = str(tmp_path / "run")
+    policy = _started(FreshViewElasticPolicy, "no-grow-policy", run_uri=run, data_path=str(tmp_path / "no-dataset"))
+    one_worker = SimpleNamespace(num_workers=1, start_time=0.0)
+    try:
+
+        def called_off() -> bool:
+            decision = policy.make_decision_for_running_worker_group(one_worker, None)
+            assert not isinstance(decision, ResizeDecision), "grew though a node could not copy the data"
+            return "could not copy the data: not growing" in caplog.text
+
+        wait_for_condition(called_off, timeout=60)
+        assert latest_checkpoint_request(run) == 0  # nor was a checkpoint asked of the run for it
+    finally:
+        policy.before_controller_abort()
+        for node in nodes:
+            ray_cluster.remove_node(node, allow_graceful=False)

@@ -13,7 +13,8 @@ check whether to grow, which would otherwise grow back onto a node that is alrea
 Growing back is Ray's decision too, but a grow restarts the run from its latest checkpoint, which
 could be a whole checkpoint interval old, and the workers on a new node would first copy the training
 data to it (train/data.py), every other worker waiting. So before a grow the policy has each node that
-could hold a worker build its copy of the data, while the run trains on (up to ``GROW_DATA_WAIT_S``);
+could hold a worker build its copy of the data, while the run trains on (up to ``GROW_DATA_WAIT_S``; a
+copy that fails, a node gone or storage down, calls the grow off until Ray's policy decides it again);
 then it asks the run for a checkpoint (through Ray's KV store, train/early_checkpoint.py) and restarts
 it at the larger size once that checkpoint is complete (or after ``GROW_CHECKPOINT_WAIT_S``): a planned
 grow redoes no steps and waits for no copy.
@@ -51,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 
 RAYLET_CONNECT_TIMEOUT_S = 0.5
-# A task beside the run's workers, so it asks for no CPU; its failure is logged and the grow goes on.
+# A task beside the run's workers, so it asks for no CPU.
 copy_data_to_node = ray.remote(num_cpus=0, max_retries=0)(copy_to_this_node)
 
 
@@ -125,11 +126,14 @@ class FreshViewElasticPolicy(ElasticScalingPolicy):
             done, copying = ray.wait(grow.data_copies, num_returns=len(grow.data_copies), timeout=0)
             if copying and now - grow.since < self.GROW_DATA_WAIT_S:
                 return NoopDecision()
-            for copy in done:
-                try:
-                    ray.get(copy)
-                except Exception:  # a node gone or storage down: its workers copy (or wait) as at any start
-                    logger.warning("a node could not copy the data before the grow", exc_info=True)
+            try:
+                ray.get(done)
+            except Exception:  # a node gone, storage down: a restart now would fail too
+                logger.warning(
+                    "a node could not copy the data: not growing; asked again at the next check", exc_info=True
+                )
+                self._pending_grow = None
+                return NoopDecision()
             if copying:
                 logger.warning("%d nodes still copy the data after %.0f s; growing", len(copying), now - grow.since)
             logger.info("checkpointing before growing to %d workers", grow.decision.num_workers)
