@@ -170,6 +170,17 @@ def test_a_copy_cut_short_leaves_no_partial_file_on_the_node(tiny_dataset, tmp_p
     assert {name for name in node_files() if name.startswith("train")} == {"train.u16"}
 
 
+def test_a_node_without_room_for_the_copy_is_told_so_before_it_copies(tiny_dataset, tmp_path, monkeypatch):
+    node_tmp = tmp_path / "node-tmp"
+    node_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(node_tmp))
+    disk = shutil.disk_usage(node_tmp)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: disk._replace(free=100_000))  # a nearly full disk
+    with pytest.raises(OSError, match=r"the train split of .+ needs [\d,.]+ MB on this node and .+ has 0.1 MB free"):
+        load_split(tiny_dataset, "train")
+    assert not list(node_tmp.glob("raywright-data/*/train*"))
+
+
 def test_bad_sources_name_the_problem(ray_session, tmp_path):
     with pytest.raises(ConfigError, match="data.source: cannot read '/no/such/dir': no such file or directory"):
         list_source("/no/such/dir")

@@ -10,6 +10,7 @@ stream is cut into sequences of ``seq_len + 1`` tokens (inputs plus shifted targ
 """
 
 import contextlib
+import errno
 import fcntl
 import fnmatch
 import hashlib
@@ -314,9 +315,12 @@ def _node_local_split(path: str, split: str, manifest: dict) -> str:
             with open(record, "w") as f:
                 json.dump({"path": source, "manifest_sha256": identity}, f)
         if not os.path.exists(local):
-            # One name, as the lock makes this the node's only writer: opening it truncates what a writer that
-            # was killed mid-copy left, rather than leaving beside it another file as large as the split.
+            # One name, as the lock makes this the node's only writer: what one killed mid-copy left goes first,
+            # rather than staying beside the next copy, as large as the split.
             staging = f"{local}.partial"
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(staging)
+            _check_room(path, split, manifest, cache)
             try:
                 with open(staging, "wb") as out:
                     _write_tokens(path, manifest[split]["shards"], out)
@@ -326,6 +330,18 @@ def _node_local_split(path: str, split: str, manifest: dict) -> str:
                 raise
             os.replace(staging, local)  # complete, or not there
     return local
+
+
+def _check_room(path: str, split: str, manifest: dict, directory: str) -> None:
+    """Fail at once, naming the sizes, where the split's copy cannot fit, rather than when the disk fills."""
+    needed = manifest[split]["sequences"] * (manifest["seq_len"] + 1) * 2  # uint16 tokens
+    free = shutil.disk_usage(directory).free
+    if needed > free:
+        raise OSError(
+            errno.ENOSPC,
+            f"the {split} split of {path} needs {needed / 1e6:,.1f} MB on this node and {directory} has "
+            f"{free / 1e6:,.1f} MB free: give the nodes larger disks, or set TMPDIR to a folder on a larger one",
+        )
 
 
 def _write_tokens(path: str, shards: list[str], out) -> None:
