@@ -274,10 +274,11 @@ def test_local_twin_launches_spot_then_on_demand_follows_and_stops_a_job_then_sc
         assert connect(state["dashboard"]).get_job_status(job_id).value == "STOPPED"
         logs = Path(state["temp_dir"], "session_latest", "logs")
         assert "terminated gracefully" in (logs / "jobs" / f"supervisor-{job_id}.log").read_text()  # not SIGKILLed
-        # The head and both nodes unpacked the job's code in folders of their own, so none deleted the code
-        # under another's workers (an agent re-unpacks a working_dir on first use).
+        # The head and both nodes (and a third node, where one came up) unpacked the job's code in folders of
+        # their own, so none deleted the code under another's workers (an agent re-unpacks a working_dir on
+        # first use).
         setup = "".join(log.read_text() for log in logs.glob("runtime_env_setup-*.log"))
-        assert len(set(re.findall(r"Downloading package from \S+ to \S+/(runtime_resources[^/]*)/", setup))) == 3
+        assert len(set(re.findall(r"Downloading package from \S+ to \S+/(runtime_resources[^/]*)/", setup))) >= 3
         # The stopped run withdrew its autoscaler request: the nodes go after the idle timeout (30 s).
         _wait(lambda: _twin_node_kinds(state["dashboard"]) == [], 150, "the idle nodes to be given back")
     finally:
