@@ -1,4 +1,5 @@
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -56,6 +57,32 @@ def test_bpe_prepare_reports_tokens_per_byte_and_its_tokenizer_is_reusable_by_pa
     again = prepare(f"{corpus_dir}/**/*.py", str(tmp_path / "again"), 64, 0.1, tokenizer=f"{out}/tokenizer.json")
     assert again["tokenizer"] == manifest["tokenizer"]
     assert np.array_equal(load_split(str(tmp_path / "again"), "train"), rows)
+
+
+def test_the_same_corpus_gives_the_same_sequences_on_a_ray_of_another_size(
+    ray_session, corpus_dir, tmp_path, monkeypatch
+):
+    """Ray Data blocks the documents by the cluster's CPUs (this session's Ray has 4); the packing must not follow
+    it, or a corpus prepared on a laptop and on a cluster would train on different sequences."""
+    monkeypatch.setattr("train.data.TOKENS_PER_PACK", 1 << 16)  # several groups of documents, as a large corpus has
+    source = f"{corpus_dir}/**/*.py"
+    here, there = str(tmp_path / "here"), str(tmp_path / "there")
+    prepare(source, here, seq_len=64, val_fraction=0.1)
+    ray_dir = tempfile.mkdtemp(prefix="/tmp/rwd-")  # short: Ray's socket paths must fit 107 bytes
+    one_cpu = textwrap.dedent(f"""
+        import ray
+        import train.data
+        ray.init(num_cpus=1, include_dashboard=False, _temp_dir={ray_dir!r})
+        train.data.TOKENS_PER_PACK = 1 << 16
+        train.data.prepare({source!r}, {there!r}, seq_len=64, val_fraction=0.1)
+    """)
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}  # a Ray of its own
+    try:
+        subprocess.run([sys.executable, "-c", one_cpu], env=env, check=True, timeout=600)
+    finally:
+        shutil.rmtree(ray_dir, ignore_errors=True)
+    for split in ("train", "val"):
+        assert np.array_equal(load_split(here, split)[:], load_split(there, split)[:]), split
 
 
 def test_same_documents_as_text_jsonl_and_parquet_give_the_same_source_hash(ray_session, tmp_path):

@@ -34,6 +34,7 @@ from train.split_rows import SplitRows
 from train.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer, save_tokenizer, train_bpe
 
 MANIFEST = "manifest.json"
+TOKENS_PER_PACK = 1 << 24  # documents packed together: a block of ~32 MB of tokens
 PREPARING = ".raywright-dataset"  # written first: a directory holding it is raywright's to replace
 SPLITS = ("train", "val")
 COPY_SOURCE = "source.json"  # in a node-local copy of a split: the dataset it was built from
@@ -233,8 +234,13 @@ def _write_dataset(out: str, tokens, tokenizer: BPETokenizer, seq_len: int, sour
         "seq_len": seq_len,
     }
     for split in SPLITS:
-        packed = tokens.filter(expr=col("split") == split).map_batches(
-            _pack, fn_kwargs={"seq_len": seq_len}, batch_format="numpy"
+        documents = tokens.filter(expr=col("split") == split)
+        # Each group of documents is packed on its own (its last partial sequence dropped). The groups are fixed
+        # by the documents alone, not by how Ray Data blocked them on this cluster, so the same corpus gives the
+        # same sequences on any machine.
+        groups = max(1, -(-(documents.sum("num_tokens") or 0) // TOKENS_PER_PACK))
+        packed = documents.repartition(groups, shuffle=False).map_batches(
+            _pack, fn_kwargs={"seq_len": seq_len}, batch_size=None, batch_format="numpy"
         )
         packed.write_parquet(f"{out_path}/{split}", filesystem=out_fs)
         shards = [f"{split}/{name}" for name in storage.list_dir(storage.join(out, split))]
