@@ -95,6 +95,10 @@ def _config(dataset: str, storage: str, name: str, stage: int, num_workers: str,
             "scaling.worker_start_timeout_s=15",
             f"optim.global_batch_size={GLOBAL_BATCH}",
             "optim.micro_batch_size=2",
+            # Below the recipe's 3e-3, at which this batch of 12 spikes the loss (3.0 -> 4.6 at step 14): the spike
+            # grew the fp32 difference between a 3- and a 2-worker gradient sum to 1e-3 between two uninterrupted
+            # ZeRO-3 runs, hiding what this test measures (the restores). At 2e-3 they differ by 1e-6.
+            "optim.lr=2e-3",
             f"optim.max_steps={max_steps}",
             "checkpoint.every_steps=10",
             "checkpoint.keep_last=10",
@@ -119,7 +123,7 @@ def test_shrink_grow_and_preemption_keep_the_numbers_exact(
     stage, ray_cluster, worker_nodes, node_disks, elastic_dataset, tmp_path
 ):
     rows = load_manifest(elastic_dataset)["train"]["sequences"]
-    max_steps = -(-rows // GLOBAL_BATCH)  # one full epoch
+    max_steps = rows // GLOBAL_BATCH + 1  # one full epoch, and a step into the next (straddling the two, or not)
     cfg = _config(elastic_dataset, str(tmp_path), f"elastic{stage}", stage, "[2,3]", max_steps)
     result = []
     thread = threading.Thread(target=lambda: result.append(run_training(cfg)))
@@ -172,7 +176,7 @@ def test_shrink_grow_and_preemption_keep_the_numbers_exact(
     for step, record in log.items():
         expected = order.rows(range((step - 1) * GLOBAL_BATCH, step * GLOBAL_BATCH))
         assert sorted(record["rows"]) == sorted(expected.tolist())
-    whole_steps = rows // GLOBAL_BATCH  # the step after these straddles epochs 0 and 1
+    whole_steps = rows // GLOBAL_BATCH  # the step after these holds epoch 0's last samples, if any
     epoch = [row for step in range(1, whole_steps + 1) for row in log[step]["rows"]]
     assert len(epoch) == len(set(epoch))  # nothing repeated
     assert set(epoch) | set(log[whole_steps + 1]["rows"]) == set(range(rows))  # nothing lost

@@ -69,7 +69,7 @@ def test_a_grow_waits_until_every_node_has_the_data_then_for_a_checkpoint(ray_cl
     for tmpdir in tmpdirs:
         tmpdir.mkdir()
     nodes = [ray_cluster.add_node(num_cpus=1, resources={SLOT: 1}, env_vars={"TMPDIR": str(tmpdirs[0])})]
-    run = str(tmp_path / "run")
+    run, began = str(tmp_path / "run"), time.time()
     policy = _started(FreshViewElasticPolicy, "grow-policy", run_uri=run, data_path=tiny_dataset)
     one_worker = SimpleNamespace(num_workers=1, start_time=0.0)
     try:
@@ -81,7 +81,8 @@ def test_a_grow_waits_until_every_node_has_the_data_then_for_a_checkpoint(ray_cl
             return all(_data_copies(tmpdir) == ["train.u16", "val.u16"] for tmpdir in tmpdirs)
 
         wait_for_condition(copied_before_any_grow, timeout=60)
-        wait_for_condition(lambda: latest_checkpoint_request(run) > 0, timeout=10)  # then a checkpoint is asked
+        # then a checkpoint is asked (of this run: every run's requests, from spot notices, may predate the test)
+        wait_for_condition(lambda: latest_checkpoint_request(run) > began, timeout=10)
         assert not isinstance(policy.make_decision_for_running_worker_group(one_worker, None), ResizeDecision)
 
         record_checkpoint(run, time.time())  # rank 0, once the run's checkpoint is complete
@@ -96,7 +97,7 @@ def test_a_grow_waits_until_every_node_has_the_data_then_for_a_checkpoint(ray_cl
 def test_a_grow_is_called_off_when_a_node_cannot_copy_the_data(ray_cluster, tmp_path, caplog):
     """A node gone or storage down while it copies: growing then would fail the restart; the run trains on."""
     nodes = [ray_cluster.add_node(num_cpus=1, resources={SLOT: 1}) for _ in range(2)]
-    run = str(tmp_path / "run")
+    run, began = str(tmp_path / "run"), time.time()
     policy = _started(FreshViewElasticPolicy, "no-grow-policy", run_uri=run, data_path=str(tmp_path / "no-dataset"))
     one_worker = SimpleNamespace(num_workers=1, start_time=0.0)
     try:
@@ -107,7 +108,7 @@ def test_a_grow_is_called_off_when_a_node_cannot_copy_the_data(ray_cluster, tmp_
             return "could not copy the data: not growing" in caplog.text
 
         wait_for_condition(called_off, timeout=60)
-        assert latest_checkpoint_request(run) == 0  # nor was a checkpoint asked of the run for it
+        assert latest_checkpoint_request(run) < began  # nor was a checkpoint asked of the run for it
     finally:
         policy.before_controller_abort()
         for node in nodes:

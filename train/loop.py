@@ -113,6 +113,15 @@ def train_loop(
     Trainer(args, report, preemption_info).run()
 
 
+def _held_weights(param: torch.nn.Parameter, rank: int) -> torch.Tensor:
+    """The weights of ``param`` this rank holds: under ZeRO-3 its share (``ds_tensor``) without the padding that
+    evens out the last shares, which DeepSpeed leaves uninitialized (any bits, NaN included); else ``param``."""
+    share = getattr(param, "ds_tensor", None)
+    if share is None:
+        return param
+    return share.narrow(0, 0, min(share.ds_numel, max(0, param.ds_numel - share.ds_numel * rank)))
+
+
 class DivergedError(RuntimeError):
     """The training loss or the weights stopped being finite (on every rank alike, at ``step``)."""
 
@@ -442,8 +451,8 @@ class Trainer:
         }
 
     def _weights_finite(self) -> bool:
-        """Whether every rank's weights are finite (a collective; ZeRO-3 keeps a rank's share in ``ds_tensor``)."""
-        weights = [getattr(p, "ds_tensor", p) for p in self.engine.module.parameters()]
+        """Whether every rank's weights are finite (a collective)."""
+        weights = [_held_weights(p, self.rank) for p in self.engine.module.parameters()]
         finite = torch.stack([torch.isfinite(w).all() for w in weights]).all().to(torch.int32)
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
         return bool(finite.item())
