@@ -37,7 +37,6 @@ from cluster.drain import drain_node
 from train.config import load_config
 from train.launch import run_training
 from train.timeline import progress_of, timeline_of
-from train.tokenizer import ByteTokenizer, save_tokenizer
 
 SLOT = "bench_worker_slot"
 NODE_DISKS = tempfile.mkdtemp(prefix="rw-elastic-disks-")
@@ -69,13 +68,6 @@ def random_dataset(gigabytes: float, seq_len: int) -> str:
     """A prepared dataset of ``gigabytes`` of random byte-level tokens (uint16, as nodes copy it)."""
     out = tempfile.mkdtemp(prefix="rw-elastic-data-")
     write_dataset(out, int(gigabytes * 1e9 // (2 * (seq_len + 1))), seq_len)
-    with open(f"{out}/manifest.json") as f:
-        manifest = json.load(f)
-    tokenizer = ByteTokenizer()
-    manifest.update(tokenizer=tokenizer.spec(), tokens_per_byte=1.0, source="random", source_sha256="random")
-    save_tokenizer(tokenizer, out)
-    with open(f"{out}/manifest.json", "w") as f:
-        json.dump(manifest, f)
     return out
 
 

@@ -25,13 +25,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from train.tokenizer import ByteTokenizer, save_tokenizer
+
 SEQ_LEN = 1024
 ROWS_PER_WORKER_STEP = 120  # the small recipe: 480 sequences a step over 4 workers
 GOAL_ROWS_PER_S = 5100
 
 
 def write_dataset(out: str, rows: int, seq_len: int = SEQ_LEN) -> None:
-    """A prepared dataset of ``rows`` random sequences, laid out as ``prepare`` writes it."""
+    """A prepared dataset of ``rows`` random byte-level sequences, laid out as ``prepare`` writes it (tokenizer
+    and manifest included, so ``python -m train`` trains on it too)."""
     os.makedirs(f"{out}/train", exist_ok=True)
     os.makedirs(f"{out}/val", exist_ok=True)
     rng = np.random.default_rng(0)
@@ -45,9 +48,14 @@ def write_dataset(out: str, rows: int, seq_len: int = SEQ_LEN) -> None:
         shards.append(name)
     val = pa.FixedSizeListArray.from_arrays(pa.array(np.zeros(64 * (seq_len + 1), np.uint16)), seq_len + 1)
     pq.write_table(pa.table({"tokens": val}), f"{out}/val/00000.parquet")
+    tokenizer = ByteTokenizer()
+    save_tokenizer(tokenizer, out)
     manifest = {
+        "source": "random",
+        "source_sha256": "random",
+        "tokenizer": tokenizer.spec(),
+        "tokens_per_byte": 1.0,
         "seq_len": seq_len,
-        "tokenizer": {"type": "byte", "vocab_size": 257},
         "train": {"shards": shards, "sequences": rows},
         "val": {"shards": ["val/00000.parquet"], "sequences": 64},
     }
