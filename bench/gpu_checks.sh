@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue 10's checks on one GPU, one part per call (each fits a 10-minute call on an H100):
-#   bash bench/gpu_checks.sh tests|p7|p3|p3-medium|p1|zero
+# Issue 10's checks on one GPU. Each part fits a 10-minute call on an H100; several run one after another,
+# each cut at its own limit in seconds where one is given, so that one call can try them all:
+#   bash bench/gpu_checks.sh PART[:SECONDS] ...     PART: tests|p7|p3|p3-medium|p1|zero
 # For the lent GPU machine first run, here,
 #   SERVE=1 EXTRA_WHEELS="torchao==0.18.0 pytest pluggy iniconfig pygments psutil" ../shared/gpu/bundle.sh
 # (62 MB, under the 64 MiB a call may carry) and carry .gpu-wheels along: this script installs them (that
@@ -9,11 +10,11 @@
 set -uo pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"
-if [ -d .gpu-wheels ]; then
+if [ -d .gpu-wheels ] && [ ! -d /tmp/site/ray ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .gpu-wheels/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 fi
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,power.limit --format=csv,noheader
 
@@ -24,11 +25,12 @@ run() {  # run NAME COMMAND...: the command's output to $out/NAME.log, its last 
   tail -n 40 "$out/$name.log" | grep -E '^\s*"(P[0-9]|gpu|tokens_per_s|bare|raywright|zero_stage|micro|compiled|perplexity)|passed|failed|error' || tail -n 5 "$out/$name.log"
 }
 
-case ${1:-} in
+part() {  # part NAME: one of the checks
+case $1 in
   # Only the files that hold gpu tests: the others import what the GPU machine lacks (optuna, moto, ...).
-  tests) run gpu_tests python -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_training.py tests/test_serve_engine.py ;;
-  p7) run p7 python bench/p7_serving.py --seconds 15 ;;
-  p3) run p3_small python bench/p3_mfu.py --steps 30 ;;
+  tests) run gpu_tests python -m pytest -m gpu -q -rf --durations=10 -p no:cacheprovider tests/test_training.py tests/test_serve_engine.py ;;
+  p7) run p7 python bench/p7_serving.py --seconds 10 ;;
+  p3) run p3_small python bench/p3_mfu.py --steps 20 ;;
   p3-medium) run p3_medium python bench/p3_mfu.py --config medium --steps 20 ;;
   p1) run p1_gpu python bench/p3_mfu.py --steps 30 --set deepspeed.zero_stage=0 --set run.compile=false ;;
   # Why ZeRO-2/3 are slower than ZeRO-1 on one GPU: stages 1-3 on the small model, same micro-batch, not
@@ -38,5 +40,16 @@ case ${1:-} in
       --set scaling.num_workers=1 --set optim.micro_batch_size=8 --set optim.global_batch_size=32 --set run.compile=false
     grep -A 20 "profile of steps" "$out/zero.log" | sed -E 's/^.*\(RayTrainWorker[^)]*\)[^ ]* //' | cut -c1-150
     grep -E '"(zero[0-3]|raywright_over_hf_auto)"|^ +[0-9.]+,?$' "$out/zero.log" ;;
-  *) echo "usage: bash bench/gpu_checks.sh tests|p7|p3|p3-medium|p1|zero" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_checks.sh PART[:SECONDS] ...  (PART: tests|p7|p3|p3-medium|p1|zero)" >&2; exit 2 ;;
 esac
+}
+
+[ $# -gt 0 ] || part usage
+for arg in "$@"; do
+  name=${arg%%:*}
+  if [ "$name" = "$arg" ]; then part "$name"; else
+    # The part in a shell of its own, killed with its process group at its limit; Ray's daemons outlive it.
+    timeout -k 10 "${arg#*:}" bash "$0" "$name" || echo "== $name stopped (exit $?)"
+    ray stop --force > /dev/null 2>&1
+  fi
+done

@@ -76,6 +76,7 @@ def main() -> None:
     overrides = [
         "scaling.num_workers=1",
         f"optim.max_steps={args.steps}",
+        f"optim.warmup_steps={args.steps // 2}",  # the recipe's warmup is longer than a measurement
         "run.log_every=5",
         f"run.eval_every={args.steps}",
         "checkpoint.every_steps=0",
