@@ -2,6 +2,8 @@
 # Issue 10's checks on one GPU. Each part fits a 10-minute call on an H100; several run one after another,
 # each cut at its own limit in seconds where one is given, so that one call can try them all:
 #   bash bench/gpu_checks.sh PART[:SECONDS] ...     PART: tests|p7|p3|p3-medium|p1|zero
+# Seen on an H200 (2026-11-26), the machine's start ~30 s: p7 under 140 s; p3 over 200 s (its bare loops
+# come last); tests: the serving ones 17 s, each training one over 90 s (4 ZeRO stages).
 # For the lent GPU machine first run, here,
 #   SERVE=1 EXTRA_WHEELS="torchao==0.18.0 pytest pluggy iniconfig pygments psutil" ../shared/gpu/bundle.sh
 # (62 MB, under the 64 MiB a call may carry) and carry .gpu-wheels along: this script installs them (that
@@ -28,7 +30,7 @@ run() {  # run NAME COMMAND...: the command's output to $out/NAME.log, its last 
 part() {  # part NAME: one of the checks
 case $1 in
   # Only the files that hold gpu tests: the others import what the GPU machine lacks (optuna, moto, ...).
-  tests) run gpu_tests python -m pytest -m gpu -q -rf --durations=10 -p no:cacheprovider tests/test_training.py tests/test_serve_engine.py ;;
+  tests) run gpu_tests python -m pytest -m gpu -q -rf --durations=10 --failures-at-once -p no:cacheprovider tests/test_training.py tests/test_serve_engine.py ;;
   p7) run p7 python bench/p7_serving.py --seconds 10 ;;
   p3) run p3_small python bench/p3_mfu.py --steps 20 ;;
   p3-medium) run p3_medium python bench/p3_mfu.py --config medium --steps 20 ;;

@@ -27,6 +27,26 @@ from train.tokenizer import ByteTokenizer
 MEMORIZED_TEXT = "Grüße aus Köln: 3 € für ☕ und 🚀. "
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--failures-at-once",
+        action="store_true",
+        help="print each failure's report, its captured output included, when it happens rather than at the "
+        "session's end, which a GPU lease can cut off (bench/gpu_checks.sh)",
+    )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[pytest.TestReport]:
+    report = yield
+    if report.failed and item.config.getoption("failures_at_once"):
+        terminal = item.config.pluginmanager.get_plugin("terminalreporter")
+        terminal.write_line(f"\n{report.nodeid} failed in {report.when}:\n{report.longreprtext}")
+        for title, content in report.sections:
+            terminal.write_line(f"--- {title} ---\n{content[-20000:]}")
+    return report
+
+
 def training_worker_pids() -> list[int]:
     """The processes of the Ray Train workers alive in the session's Ray."""
     from ray.util.state import list_actors
