@@ -116,7 +116,8 @@ def engine_throughput(
     precision: str = "int8",
     device: str = "cpu",
 ) -> float:
-    """Requests/s of the continuous-batching engine alone, ``in_flight`` requests at all times."""
+    """Requests/s of the continuous-batching engine alone, ``in_flight`` requests at all times, each asking
+    for its whole text at once (as the benchmarks' HTTP requests do)."""
     exported = load_exported(export)
     batcher = ContinuousBatcher(Engine(Decoder(exported.model, in_flight, precision, device), exported.tokenizer))
     params = GenerationParams(max_tokens=max_tokens, temperature=0.0)
@@ -128,7 +129,7 @@ def engine_throughput(
         while time.perf_counter() < deadline:
             prompt = [int(t) for t in exported.tokenizer.encode(prompts[i % len(prompts)])]
             i += in_flight
-            async for _ in batcher.generate(Sequence(prompt, params)):
+            async for _ in batcher.generate(Sequence(prompt, params), whole=True):  # as the HTTP requests
                 pass
             done += 1
 

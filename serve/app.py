@@ -405,13 +405,13 @@ class CompletionServer:
             "total_tokens": prompt_tokens + completion_tokens,
         }
 
-    def _chunks(self, seq: Sequence) -> AsyncIterator[Chunk]:
+    def _chunks(self, seq: Sequence, whole: bool = False) -> AsyncIterator[Chunk]:
         if self.batching == "serve_batch":
             return self._serve_batch_chunks(seq)
-        return self.batcher.generate(seq, self.request_timeout_s)
+        return self.batcher.generate(seq, self.request_timeout_s, whole)
 
     async def _collect(self, seq: Sequence) -> list[Chunk]:
-        return [chunk async for chunk in self._chunks(seq)]
+        return [chunk async for chunk in self._chunks(seq, whole=True)]
 
     async def _serve_batch_chunks(self, seq: Sequence) -> AsyncIterator[Chunk]:
         yield await self._generate_serve_batch(seq)

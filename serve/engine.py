@@ -67,8 +67,9 @@ class Sequence:
         self.generated = 0
         self.finish_reason: str | None = None
         self.prompt_logprobs: list[TokenLogprob] = []  # for prompt[1:], with params.prompt_logprobs
-        self.chunks: list[Chunk] = []  # produced by the last step, not yet handed out
+        self.chunks: list[Chunk] = []  # produced, not yet handed out
         self.queue: asyncio.Queue[Chunk] | None = None
+        self.whole = False  # hand the chunks out only when the sequence ends (see ContinuousBatcher.generate)
         self.cancelled = False
 
 
@@ -232,9 +233,17 @@ class ContinuousBatcher:
         task = self._loop_task
         return task.exception() if task is not None and task.done() and not task.cancelled() else None
 
-    async def generate(self, seq: Sequence, timeout_s: float | None = None) -> AsyncIterator[Chunk]:
-        """The chunks of one request; after ``timeout_s`` a last chunk with finish_reason ``timeout``."""
+    async def generate(
+        self, seq: Sequence, timeout_s: float | None = None, whole: bool = False
+    ) -> AsyncIterator[Chunk]:
+        """The chunks of one request; after ``timeout_s`` a last chunk with finish_reason ``timeout``.
+
+        With ``whole`` (a caller that wants only the full text) they come all at once when the sequence
+        ends: the caller wakes once per request instead of once per token, which leaves the event loop,
+        and the GIL that the decode step shares with it, that much freer.
+        """
         seq.queue = asyncio.Queue()
+        seq.whole = whole
         self.waiting.append(seq)
         self._wakeup.set()
         if self._loop_task is None or self._loop_task.done():
@@ -271,6 +280,8 @@ class ContinuousBatcher:
                 for seq in stepped:
                     seq.chunks = [Chunk(GENERATION_FAILED, "error", 0)]
             for seq in stepped:
+                if seq.whole and not (seq.chunks and seq.chunks[-1].finish_reason):
+                    continue
                 for chunk in seq.chunks:
                     seq.queue.put_nowait(chunk)
                 seq.chunks.clear()

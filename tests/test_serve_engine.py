@@ -221,6 +221,29 @@ def test_continuous_batching_gives_each_request_its_text_alone(memorized_export,
     assert max(batch_sizes) == 4
 
 
+def test_a_caller_that_wants_the_whole_text_is_woken_once_with_all_of_it(memorized_export):
+    """What the non-streaming endpoints ask for: the chunks come together when the sequence ends, so the
+    event loop resumes such a caller once per request rather than once per token; a streaming caller
+    beside it still gets each token as it comes."""
+    batcher = ContinuousBatcher(make_engine(memorized_export, "int8", max_batch=2))
+    greedy = GenerationParams(max_tokens=22, temperature=0.0)
+
+    async def consume(whole: bool) -> tuple[str, list[tuple[bool, int]]]:
+        seq, text, seen = Sequence(encode("Grüße"), greedy), "", []
+        async for chunk in batcher.generate(seq, whole=whole):
+            seen.append((seq.finish_reason is not None, seq.queue.qsize()))  # ended yet? chunks still queued
+            text += chunk.text
+        return text, seen
+
+    async def both() -> list[tuple[str, list[tuple[bool, int]]]]:
+        return await asyncio.gather(consume(whole=True), consume(whole=False))
+
+    (whole_text, whole_seen), (streamed_text, streamed_seen) = asyncio.run(both())
+    assert whole_text == streamed_text == " aus Köln: 3 € für"
+    assert len(whole_seen) == 22 and whole_seen[0] == (True, 21)  # all 22 were there at the first
+    assert streamed_seen[0] == (False, 0)
+
+
 def test_a_request_past_its_timeout_ends_and_frees_its_slot(memorized_export):
     batcher = ContinuousBatcher(make_engine(memorized_export, "int8", max_batch=1))
     greedy = GenerationParams(max_tokens=80, temperature=0.0)
