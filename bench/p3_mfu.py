@@ -6,8 +6,9 @@ Needs a GPU. raywright trains the recipe on one worker (its own choices: ZeRO st
 compile); its seconds per step come from the wall-clock stamps of its reports after the first
 (compilation and warm-up excluded). The bare loop trains the same model on the same rows with what
 raywright chose (micro-batch, gradient accumulation to the same global batch, torch.compile or not,
-bf16 autocast, torch's fused AdamW, gradient clipping) and runs before and after raywright; the ratio
-is raywright's step time over the mean of the two. MFU = tokens/s x train.model.flops_per_token /
+bf16 autocast, torch's fused AdamW, gradient clipping), twice after raywright; the ratio is
+raywright's step time over the mean of the two. raywright's own figures are printed before the bare
+loops run, so that a GPU lease that ends during them still has those. MFU = tokens/s x train.model.flops_per_token /
 the GPU's peak (train/metrics.py). It also gives P2's GPU figure: the memory plan's estimate
 (train/memory.py) over the peak memory the worker allocated.
 
@@ -96,7 +97,6 @@ def main() -> None:
     raywright = steady_step_seconds(run_uri(cfg))
     chosen = config_from_dict(load_exported(summary.export).provenance["config"])  # the autos resolved
     compiled = compiles(chosen)
-    bare = [bare_step_seconds(chosen, rows, args.steps, compiled) for _ in range(2)]
     tokens_per_step = cfg.optim.global_batch_size * cfg.model.seq_len
 
     def mfu(step_seconds: float) -> float:
@@ -113,11 +113,7 @@ def main() -> None:
         "estimate_gib": estimate / 2**30,
         "peak_allocated_gib": peak_allocated / 2**30,
         "P3_mfu": mfu(raywright),
-        "bare_mfu": mfu(float(np.mean(bare))),
-        "P3_ratio_to_bare": float(np.mean(bare)) / raywright,
-        "P1_raywright_over_bare": raywright / float(np.mean(bare)),
         "raywright_step_s": raywright,
-        "bare_step_s": bare,
         "tokens_per_s": tokens_per_step / raywright,
         "zero_stage": chosen.deepspeed.zero_stage,
         "micro_batch": chosen.optim.micro_batch_size,
@@ -125,6 +121,14 @@ def main() -> None:
         "model": vars(cfg.model),
         "global_batch": cfg.optim.global_batch_size,
     }
+    print(json.dumps(result, indent=2), flush=True)
+    bare = [bare_step_seconds(chosen, rows, args.steps, compiled) for _ in range(2)]
+    result.update(
+        bare_mfu=mfu(float(np.mean(bare))),
+        P3_ratio_to_bare=float(np.mean(bare)) / raywright,
+        P1_raywright_over_bare=raywright / float(np.mean(bare)),
+        bare_step_s=bare,
+    )
     print(json.dumps(result, indent=2))
 
 
