@@ -135,4 +135,9 @@ def steady_step_seconds(run_uri: str) -> float:
     """Seconds per optimizer step of a finished run, from its training reports' wall-clock stamps, leaving out
     the first report's window (start-up, compilation) and the last's (the final evaluation and save)."""
     reports = [m for m in read_metrics(run_uri) if "loss" in m][1:-1]
+    if len(reports) < 2:
+        raise ValueError(
+            f"{run_uri}: too few training reports for a steady step time; a run needs optim.max_steps of at "
+            "least 3 x run.log_every"
+        )
     return (reports[-1]["time"] - reports[0]["time"]) / (reports[-1]["step"] - reports[0]["step"])

@@ -1,0 +1,27 @@
+"""Reading a run's metrics back: the step time the benchmarks take from them."""
+
+import json
+
+import pytest
+
+from train.metrics import METRICS, steady_step_seconds
+
+pytestmark = pytest.mark.unit
+
+
+def write_reports(run, steps: list[int]) -> None:
+    run.mkdir(exist_ok=True)
+    # One second per step; the first report's window is slower (start-up), as in a real run.
+    lines = [{"step": step, "loss": 1.0, "time": 100.0 + step + (0 if step > 1 else -30)} for step in steps]
+    (run / METRICS).write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def test_the_steady_step_time_leaves_out_the_first_and_last_windows(tmp_path):
+    write_reports(tmp_path / "run", [1, 5, 10, 15, 20])
+    assert steady_step_seconds(str(tmp_path / "run")) == pytest.approx(1.0)
+
+
+def test_a_run_too_short_for_a_steady_step_time_is_told_what_to_change(tmp_path):
+    write_reports(tmp_path / "run", [1, 5, 10])  # 10 steps, a report every 5: one window between first and last
+    with pytest.raises(ValueError, match=r"optim.max_steps of at least 3 x run.log_every"):
+        steady_step_seconds(str(tmp_path / "run"))
