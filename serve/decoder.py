@@ -140,7 +140,7 @@ class _DecodeCache:
         self.slots = torch.arange(len(where), device=where.device)
         visible = torch.arange(span, device=where.device)[None, :] <= where[:, None]
         # Additive, in the attention's dtype, made once per step: attention converts a boolean mask to this
-        # itself, in every layer (a fill and a where on a GPU: ~3 of a layer's ~18 kernels).
+        # itself, in every layer (a `where` and scalar tensors each: kernels inside the graph on a GPU).
         mask = torch.zeros(visible.shape, dtype=decoder.dtype, device=where.device).masked_fill_(~visible, -torch.inf)
         self.mask = mask[:, None, None, :]  # (batch, 1 head, 1 query, span)
 
