@@ -129,7 +129,7 @@ def engine_throughput(
         while time.perf_counter() < deadline:
             prompt = [int(t) for t in exported.tokenizer.encode(prompts[i % len(prompts)])]
             i += in_flight
-            async for _ in batcher.generate(Sequence(prompt, params), whole=True):  # as the HTTP requests
+            async for _ in batcher.generate(Sequence(prompt, params), whole=True):
                 pass
             done += 1
 

@@ -1,19 +1,20 @@
 """Reading a run's metrics back: the step time the benchmarks take from them."""
 
-import json
-
 import pytest
 
 from train.metrics import METRICS, steady_step_seconds
+from train.run_files import JsonlLog
 
 pytestmark = pytest.mark.unit
 
 
 def write_reports(run, steps: list[int]) -> None:
-    run.mkdir(exist_ok=True)
-    # One second per step; the first report's window is slower (start-up), as in a real run.
-    lines = [{"step": step, "loss": 1.0, "time": 100.0 + step + (0 if step > 1 else -30)} for step in steps]
-    (run / METRICS).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    """Training reports as the run's metrics log holds them: one second per step, the first report's window
+    slower (start-up), as in a real run."""
+    log = JsonlLog(str(run / METRICS))
+    for step in steps:
+        log.append({"step": step, "loss": 1.0, "time": 100.0 + step + (0 if step > 1 else -30)})
+    log.close()
 
 
 def test_the_steady_step_time_leaves_out_the_first_and_last_windows(tmp_path):
