@@ -131,7 +131,9 @@ def ray_cluster(s3_server):
     # Ray's Cluster also writes the head's address to <default temp dir>/ray_current_cluster, whatever temp_dir
     # the head was given, and fails where that folder is missing (a machine that never ran Ray before).
     os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "temp_dir": temp_dir})
+    # Ray's Cluster gives a node no GPU unless told: the gpu tests' runs would wait for one forever.
+    head = {"num_cpus": 4, "num_gpus": torch.cuda.device_count(), "temp_dir": temp_dir}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
     ray.init(address=cluster.address)
     yield cluster
     ray.shutdown()

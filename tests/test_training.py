@@ -260,6 +260,7 @@ def test_the_small_shape_learns_on_a_gpu_with_each_zero_stage(small_dataset, tmp
             "run.eval_samples=16",
             "checkpoint.every_steps=0",
             "checkpoint.every_minutes=0",
+            "run.compile=false",  # P3 runs the compiled recipe; here compiling would only cost minutes of GPU
         ],
     )
     summary = run_training(cfg)
