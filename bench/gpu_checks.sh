@@ -2,8 +2,8 @@
 # Issue 10's checks on one GPU. Each part fits a 10-minute call on an H100; several run one after another,
 # each cut at its own limit in seconds where one is given, so that one call can try them all:
 #   bash bench/gpu_checks.sh PART[:SECONDS] ...     PART: tests|p7|p3|p3-medium|p1|zero
-# Seen on an H200 (2026-11-26), the machine's start ~30 s: p7 under 140 s; p3 over 200 s (its bare loops
-# come last); tests: the serving ones 17 s, each training one over 90 s (4 ZeRO stages).
+# Seen on an H200 (2026-11-26), the machine's start ~30 s: p7 under 140 s; p3 ~220 s (its bare loops
+# come last); tests ~270 s (the serving ones 17 s, each training one ~55 s, 4 ZeRO stages); p1 over 180 s.
 # For the lent GPU machine first run, here,
 #   SERVE=1 EXTRA_WHEELS="torchao==0.18.0 pytest pluggy iniconfig pygments psutil" ../shared/gpu/bundle.sh
 # (62 MB, under the 64 MiB a call may carry) and carry .gpu-wheels along: this script installs them (that
