@@ -10,8 +10,8 @@ gives each precision's validation perplexity through the serving decoder, relati
 Engine: ``run_batch`` of B requests (32-byte prompts, ``--max-tokens`` new tokens each, greedy), after
 one untimed run of the same batch that captures its CUDA graphs; tokens/s = tokens generated / wall.
 HTTP: one Serve replica of the same export and precision, 64 closed-loop clients for ``--seconds``,
-÷ the continuous-batching engine in-process with 64 requests in flight for as long (serve_load.py's
-load generator and engine loop). Prints a JSON report.
+÷ the continuous-batching engine in-process with 64 requests in flight for as long, after the same
+5 s warm-up (serve_load.py's load generator and engine loop). Prints a JSON report.
 """
 
 import argparse

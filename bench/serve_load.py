@@ -115,28 +115,33 @@ def engine_throughput(
     max_tokens: int,
     precision: str = "int8",
     device: str = "cpu",
+    warmup_s: float = 5.0,
 ) -> float:
     """Requests/s of the continuous-batching engine alone, ``in_flight`` requests at all times, each asking
-    for its whole text at once (as the benchmarks' HTTP requests do)."""
+    for its whole text at once (as the benchmarks' HTTP requests do), after ``warmup_s`` of the same load
+    untimed, as the HTTP loads get: on a GPU that is where the decode step's CUDA graphs are captured."""
     exported = load_exported(export)
     batcher = ContinuousBatcher(Engine(Decoder(exported.model, in_flight, precision, device), exported.tokenizer))
     params = GenerationParams(max_tokens=max_tokens, temperature=0.0)
-    done = 0
 
-    async def client(index: int, deadline: float) -> None:
-        nonlocal done
-        i = index
+    async def client(index: int, deadline: float) -> int:
+        done, i = 0, index
         while time.perf_counter() < deadline:
             prompt = [int(t) for t in exported.tokenizer.encode(prompts[i % len(prompts)])]
             i += in_flight
             async for _ in batcher.generate(Sequence(prompt, params), whole=True):
                 pass
             done += 1
+        return done
+
+    async def requests_per_s(duration: float) -> float:
+        start = time.perf_counter()
+        done = await asyncio.gather(*(client(i, start + duration) for i in range(in_flight)))
+        return sum(done) / (time.perf_counter() - start)
 
     async def run() -> float:
-        start = time.perf_counter()
-        await asyncio.gather(*(client(i, start + seconds) for i in range(in_flight)))
-        return done / (time.perf_counter() - start)
+        await requests_per_s(warmup_s)
+        return await requests_per_s(seconds)
 
     return asyncio.run(run())
 
