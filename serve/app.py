@@ -33,7 +33,7 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 
 from serve.config import ServeConfig, serve_config_from_dict
 from serve.decoder import Decoder
-from serve.engine import Chunk, ContinuousBatcher, Engine, GenerationParams, Sequence
+from serve.engine import Chunk, ContinuousBatcher, Engine, GenerationParams, Sequence, joined
 from serve.sampling import TokenLogprob
 from train import storage
 from train.export import export_uri, load_exported
@@ -420,13 +420,9 @@ class CompletionServer:
     async def _generate_serve_batch(self, batch: list[Sequence]) -> list[Chunk]:
         """The ``@serve.batch`` baseline of the benchmark: fixed batches run to completion, whole text at once."""
         async with self.serve_batch_lock:
-            texts = await asyncio.to_thread(self.engine.run_batch, batch)
+            await asyncio.to_thread(self.engine.run_batch, batch)
         self._record_step(len(batch), 0)
-        logprobs = [[lp for chunk in seq.chunks for lp in chunk.logprobs] for seq in batch]
-        return [
-            Chunk(text, seq.finish_reason, seq.generated, lps)
-            for text, seq, lps in zip(texts, batch, logprobs, strict=True)
-        ]
+        return [joined(seq.chunks) for seq in batch]
 
     async def _sse(self, reply: dict, sequences: list[Sequence], choice, prompt_tokens: int, usage: bool):
         """Server-sent events: the choices' chunks as they come, errors as error events, usage last if asked."""

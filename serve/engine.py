@@ -53,6 +53,16 @@ class Chunk:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of those tokens, when asked for
 
 
+def joined(chunks: list[Chunk]) -> Chunk:
+    """One chunk that says what ``chunks`` (a sequence's, in order) say."""
+    return Chunk(
+        "".join(chunk.text for chunk in chunks),
+        chunks[-1].finish_reason,
+        sum(chunk.tokens for chunk in chunks),
+        [logprob for chunk in chunks for logprob in chunk.logprobs],
+    )
+
+
 class Sequence:
     """One request in flight: its tokens, sampler and text, and a queue of chunks for its caller."""
 
@@ -238,9 +248,9 @@ class ContinuousBatcher:
     ) -> AsyncIterator[Chunk]:
         """The chunks of one request; after ``timeout_s`` a last chunk with finish_reason ``timeout``.
 
-        With ``whole`` (a caller that wants only the full text) they come all at once when the sequence
-        ends: the caller wakes once per request instead of once per token, which leaves the event loop,
-        and the GIL that the decode step shares with it, that much freer.
+        With ``whole`` (a caller that wants only the full text) they come joined in one chunk when the
+        sequence ends: the event loop handles one chunk per request instead of one per token, and the
+        decode step shares the GIL with it.
         """
         seq.queue = asyncio.Queue()
         seq.whole = whole
@@ -280,8 +290,10 @@ class ContinuousBatcher:
                 for seq in stepped:
                     seq.chunks = [Chunk(GENERATION_FAILED, "error", 0)]
             for seq in stepped:
-                if seq.whole and not (seq.chunks and seq.chunks[-1].finish_reason):
-                    continue
+                if seq.whole:
+                    if not (seq.chunks and seq.chunks[-1].finish_reason):
+                        continue
+                    seq.chunks = [joined(seq.chunks)]
                 for chunk in seq.chunks:
                     seq.queue.put_nowait(chunk)
                 seq.chunks.clear()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from serve.decoder import Decoder, span_bucket
-from serve.engine import GENERATION_FAILED, ContinuousBatcher, Engine, GenerationParams, Sequence
+from serve.engine import GENERATION_FAILED, Chunk, ContinuousBatcher, Engine, GenerationParams, Sequence, joined
 from serve.precision import EXACT_FLOAT32_K, Int8Linear, apply_precision, int8_matmul
 from serve.sampling import apply_penalties, make_generator, token_logprob
 from serve.sampling import next_token as next_token_tensor
@@ -222,26 +222,26 @@ def test_continuous_batching_gives_each_request_its_text_alone(memorized_export,
 
 
 def test_a_caller_that_wants_the_whole_text_is_woken_once_with_all_of_it(memorized_export):
-    """What the non-streaming endpoints ask for: the chunks come together when the sequence ends, so the
-    event loop resumes such a caller once per request rather than once per token; a streaming caller
-    beside it still gets each token as it comes."""
+    """What the non-streaming endpoints ask for: one chunk when the sequence ends, so the event loop
+    handles such a caller once per request rather than once per token; a streaming caller beside it
+    still gets each token as it comes."""
     batcher = ContinuousBatcher(make_engine(memorized_export, "int8", max_batch=2))
     greedy = GenerationParams(max_tokens=22, temperature=0.0)
 
-    async def consume(whole: bool) -> tuple[str, list[tuple[bool, int]]]:
-        seq, text, seen = Sequence(encode("Grüße"), greedy), "", []
+    async def consume(whole: bool) -> tuple[list[Chunk], list[bool]]:
+        seq, chunks, ended = Sequence(encode("Grüße"), greedy), [], []
         async for chunk in batcher.generate(seq, whole=whole):
-            seen.append((seq.finish_reason is not None, seq.queue.qsize()))  # ended yet? chunks still queued
-            text += chunk.text
-        return text, seen
+            chunks.append(chunk)
+            ended.append(seq.finish_reason is not None)
+        return chunks, ended
 
-    async def both() -> list[tuple[str, list[tuple[bool, int]]]]:
+    async def both() -> list[tuple[list[Chunk], list[bool]]]:
         return await asyncio.gather(consume(whole=True), consume(whole=False))
 
-    (whole_text, whole_seen), (streamed_text, streamed_seen) = asyncio.run(both())
-    assert whole_text == streamed_text == " aus Köln: 3 € für"
-    assert len(whole_seen) == 22 and whole_seen[0] == (True, 21)  # all 22 were there at the first
-    assert streamed_seen[0] == (False, 0)
+    (whole, whole_ended), (streamed, streamed_ended) = asyncio.run(both())
+    assert whole_ended == [True] and whole == [joined(streamed)]
+    assert whole[0] == Chunk(" aus Köln: 3 € für", "length", 22)
+    assert len(streamed) == 22 and streamed_ended[0] is False
 
 
 def test_a_request_past_its_timeout_ends_and_frees_its_slot(memorized_export):
