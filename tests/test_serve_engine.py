@@ -221,6 +221,24 @@ def test_continuous_batching_gives_each_request_its_text_alone(memorized_export,
     assert max(batch_sizes) == 4
 
 
+def test_a_sequence_that_leaves_the_batch_costs_at_most_one_cache_move(memorized_export):
+    """Live sequences keep slots 0..B-1; the slot a finished one frees takes the cache of the last, rather
+    than every sequence above it moving down one (on a GPU each move copies a slot's whole cache)."""
+    engine = make_engine(memorized_export, "int8", max_batch=4)
+    moves = []
+    move = engine.decoder.move
+    engine.decoder.move = lambda source, target: (moves.append((source, target)), move(source, target))
+    prompts = ["Grüße", "Köln", "3 € ", "für "]
+    params = [GenerationParams(max_tokens=n, temperature=0.0) for n in (3, 6, 9, 12)]  # slot 0 leaves first
+    texts = engine.run_batch([Sequence(encode(p), q) for p, q in zip(prompts, params, strict=True)])
+    alone = [
+        make_engine(memorized_export, "int8", max_batch=1).run_batch([Sequence(encode(p), q)])[0]
+        for p, q in zip(prompts, params, strict=True)
+    ]
+    assert texts == alone
+    assert moves == [(3, 0), (2, 1)]  # the third to leave was then the last: no move
+
+
 def test_a_caller_that_wants_the_whole_text_is_woken_once_with_all_of_it(memorized_export):
     """What the non-streaming endpoints ask for: one chunk when the sequence ends, so the event loop
     handles such a caller once per request rather than once per token; a streaming caller beside it
