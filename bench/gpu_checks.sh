@@ -31,7 +31,7 @@ part() {  # part NAME: one of the checks
 case $1 in
   # Only the files that hold gpu tests: the others import what the GPU machine lacks (optuna, moto, ...).
   tests) run gpu_tests python -m pytest -m gpu -q -rf --durations=10 --failures-at-once -p no:cacheprovider tests/test_training.py tests/test_serve_engine.py ;;
-  p7) run p7 python bench/p7_serving.py --seconds 10 ;;
+  p7) run p7 python bench/p7_serving.py --seconds 10 --profile ;;
   p3) run p3_small python bench/p3_mfu.py --steps 20 ;;
   p3-medium) run p3_medium python bench/p3_mfu.py --config medium --steps 20 ;;
   p1) run p1_gpu python bench/p3_mfu.py --steps 30 --set deepspeed.zero_stage=0 --set run.compile=false ;;

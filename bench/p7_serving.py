@@ -1,6 +1,6 @@
 """P7: serving engine tokens/s at batch 1 / 32 / 64 on a GPU, per precision; through HTTP at 64 clients ÷ the engine.
 
-    python bench/p7_serving.py [--checkpoint EXPORT] [--precisions bf16,int8,fp8] [--no-http]
+    python bench/p7_serving.py [--checkpoint EXPORT] [--precisions bf16,int8,fp8] [--no-http] [--profile]
 
 Needs a GPU (``--device cpu`` runs the same measurements on a CPU, slowly: ``--set`` a smaller shape).
 Without --checkpoint it exports an untrained GPT of the ``small`` recipe's shape (128.6M params,
@@ -12,6 +12,8 @@ one untimed run of the same batch that captures its CUDA graphs; tokens/s = toke
 HTTP: one Serve replica of the same export and precision, 64 closed-loop clients for ``--seconds``,
 ÷ the continuous-batching engine in-process with 64 requests in flight for as long, after the same
 5 s warm-up (serve_load.py's load generator and engine loop). Prints a JSON report.
+``--profile`` adds where a steady decode step's time goes at batch 1 and 64 (first precision): its wall
+time, its GPU kernels and their summed time, the rest being the GPU idle while the host works.
 """
 
 import argparse
@@ -24,6 +26,8 @@ from pathlib import Path
 import ray
 import torch
 from serve_load import engine_throughput, load, perplexity
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 from serve.app import build_app
 from serve.decoder import Decoder
@@ -70,6 +74,41 @@ def engine_tokens_per_s(export: str, precision: str, device: str, batch: int, ma
     return generated / (time.perf_counter() - start)
 
 
+def decode_profile(export: str, precision: str, device: str, batch: int, steps: int = 20) -> dict:
+    """Where a steady decode step's time goes at ``batch``: its wall time, the GPU kernels it runs and their
+    summed time (the GPU idles for the rest: the host's part of the step), and its costliest kernels."""
+    exported = load_exported(export)
+    engine = Engine(Decoder(exported.model, batch, precision, device), exported.tokenizer)
+    params = GenerationParams(max_tokens=64 + steps, temperature=0.0)
+    encoded = [[int(t) for t in exported.tokenizer.encode(p)] for p in prompts(batch)]
+    engine.run_batch([Sequence(tokens, params) for tokens in encoded])  # captures the graphs
+    engine.step([Sequence(tokens, params) for tokens in encoded])
+    engine.step([])
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=activities) as profiled:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step([])
+        if device == "cuda":
+            torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - start) * 1e6 / steps
+    kernels: dict[str, list[float]] = {}
+    for event in profiled.events():
+        if event.device_type == DeviceType.CUDA:
+            kernels.setdefault(event.name, []).append(event.time_range.elapsed_us())
+    busy_us = sum(sum(times) for times in kernels.values()) / steps
+    top = sorted(kernels.items(), key=lambda item: -sum(item[1]))[:12]
+    return {
+        "wall_us_per_step": wall_us,
+        "kernels_per_step": sum(len(times) for times in kernels.values()) / steps,
+        "kernel_us_per_step": busy_us,
+        "gpu_idle_fraction": 1 - busy_us / wall_us,
+        "top_kernels": [
+            f"{sum(times) / steps:7.1f} us/step {len(times) / steps:5.1f}x  {name[:90]}" for name, times in top
+        ],
+    }
+
+
 def http_over_engine(export: str, precision: str, device: str, seconds: float, max_tokens: int) -> dict:
     texts = prompts(256)
     engine = engine_throughput(export, texts, 64, seconds, max_tokens, precision, device)
@@ -95,6 +134,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--seconds", type=float, default=20.0, help="duration of each HTTP / engine load")
     parser.add_argument("--no-http", action="store_true", help="skip the Serve measurement")
+    parser.add_argument("--profile", action="store_true", help="where a decode step's time goes, at batch 1 and 64")
     args = parser.parse_args()
     precisions = args.precisions.split(",")
 
@@ -110,6 +150,11 @@ def main() -> None:
         for precision in precisions
     }
     print(json.dumps(report["tokens_per_s"]), flush=True)
+    if args.profile:
+        report["decode_profile"] = {
+            batch: decode_profile(export, precisions[0], args.device, batch) for batch in (1, 64)
+        }
+        print(json.dumps(report["decode_profile"], indent=2), flush=True)
     if exported.provenance:
         val = load_split(dataset_path(config_from_dict(exported.provenance["config"])), "val")[:32, :256]
         ppl = {precision: perplexity(export, precision, val, args.device) for precision in precisions}
