@@ -194,8 +194,8 @@ class Engine:
         Returns the sequences that produced chunks. Finished and cancelled sequences leave.
         """
         # Decode first: a sequence admitted now gets its first token from its prompt's logits.
-        stepping = [seq for seq in self.live if not seq.cancelled]
-        self._compact(stepping)
+        self._compact([seq for seq in self.live if not seq.cancelled])
+        stepping = list(self.live)  # in slot order: a decode row is its slot
         if stepping:
             logits = self.decoder.decode([s.last_token for s in stepping], [s.position for s in stepping])
             self._accept(stepping, logits)

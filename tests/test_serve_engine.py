@@ -239,6 +239,24 @@ def test_a_sequence_that_leaves_the_batch_costs_at_most_one_cache_move(memorized
     assert moves == [(3, 0), (2, 1)]  # the third to leave was then the last: no move
 
 
+def test_the_sequences_left_after_a_cancelled_one_decode_from_their_own_slots(memorized_export):
+    """A cancelled sequence leaves before the step decodes: the others' rows follow their new slots
+    (each token's logprob, which a wrong slot's cache changes even where the memorized text does not)."""
+    prompts = ["Grüße", "Köln", "3 € "]
+    params = GenerationParams(max_tokens=12, temperature=0.0, logprobs=0)
+    engine = make_engine(memorized_export, "int8", max_batch=3)
+    gone, *kept = (Sequence(encode(p), params) for p in prompts)
+    engine.step([gone, *kept])
+    gone.cancelled = True  # its caller went away: its slot (0) takes the last sequence's cache
+    while engine.live:
+        engine.step([])
+    alone = [Sequence(encode(p), params) for p in prompts[1:]]
+    for seq in alone:
+        make_engine(memorized_export, "int8", max_batch=1).run_batch([seq])
+    logprobs = [[lp.logprob for chunk in seq.chunks for lp in chunk.logprobs] for seq in (*kept, *alone)]
+    assert logprobs[:2] == logprobs[2:] and len(logprobs[0]) == 12
+
+
 def test_a_caller_that_wants_the_whole_text_is_woken_once_with_all_of_it(memorized_export):
     """What the non-streaming endpoints ask for: one chunk when the sequence ends, so the event loop
     handles such a caller once per request rather than once per token; a streaming caller beside it
