@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 from pathlib import Path
@@ -19,14 +18,10 @@ from pathlib import Path
 import psutil
 import yaml
 
+from train.process_group import free_port
+
 TWIN_CONFIG = Path(__file__).with_name("local.yaml")
 STATE_DIR = Path.home() / ".raywright" / "local-cluster"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def read_state(state_dir: Path = STATE_DIR) -> dict | None:
@@ -42,7 +37,7 @@ def up(state_dir: Path = STATE_DIR) -> dict:
 
     state_dir.mkdir(parents=True, exist_ok=True)
     ip = ray.util.get_node_ip_address()
-    gcs_port, dashboard_port = _free_port(), _free_port()
+    gcs_port, dashboard_port = free_port(), free_port()
     config = yaml.safe_load(TWIN_CONFIG.read_text())
     config["provider"]["gcs_address"] = f"{ip}:{gcs_port}"
     autoscaler_config = state_dir / "autoscaler.yaml"
@@ -53,8 +48,8 @@ def up(state_dir: Path = STATE_DIR) -> dict:
         "ray", "start", "--head", f"--port={gcs_port}", "--num-cpus=0",
         f"--autoscaling-config={autoscaler_config}", f"--temp-dir={temp_dir}",
         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
-        f"--dashboard-agent-listen-port={_free_port()}", f"--ray-client-server-port={_free_port()}",
-        f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
+        f"--dashboard-agent-listen-port={free_port()}", f"--ray-client-server-port={free_port()}",
+        f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
     ]  # fmt: skip
     try:
         started = subprocess.run(command, env={**os.environ, "RAY_FAKE_CLUSTER": "1"}, capture_output=True, text=True)
