@@ -12,8 +12,9 @@ one untimed run of the same batch that captures its CUDA graphs; tokens/s = toke
 HTTP: one Serve replica of the same export and precision, 64 closed-loop clients for ``--seconds``,
 ÷ the continuous-batching engine in-process with 64 requests in flight for as long, after the same
 5 s warm-up (serve_load.py's load generator and engine loop). Prints a JSON report.
-``--profile`` adds where a steady decode step's time goes at batch 1 and 64 (first precision): its wall
-time, its GPU kernels and their summed time, the rest being the GPU idle while the host works.
+``--profile`` adds where the time goes at batch 1 and 64 (first precision), for a steady decode step and
+for the prefill of one prompt: wall time, GPU kernels and their summed time (the rest: the GPU idle while
+the host works), and the costliest kernels.
 """
 
 import argparse
@@ -21,6 +22,7 @@ import asyncio
 import json
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import ray
@@ -74,9 +76,37 @@ def engine_tokens_per_s(export: str, precision: str, device: str, batch: int, ma
     return generated / (time.perf_counter() - start)
 
 
+def profiled(work: Callable[[], object], repeats: int, device: str) -> dict:
+    """``work()`` run ``repeats`` times: wall time each, the GPU kernels each runs and their summed time (the
+    GPU idles for the rest of the wall time: the host's part), and the costliest kernels."""
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=activities) as profiler:
+        start = time.perf_counter()
+        for _ in range(repeats):
+            work()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - start) * 1e6 / repeats
+    kernels: dict[str, list[float]] = {}
+    for event in profiler.events():
+        if event.device_type == DeviceType.CUDA:
+            kernels.setdefault(event.name, []).append(event.time_range.elapsed_us())
+    busy_us = sum(sum(times) for times in kernels.values()) / repeats
+    top = sorted(kernels.items(), key=lambda item: -sum(item[1]))[:12]
+    return {
+        "wall_us": wall_us,
+        "kernels": sum(len(times) for times in kernels.values()) / repeats,
+        "kernel_us": busy_us,
+        "gpu_idle_fraction": 1 - busy_us / wall_us,
+        "top_kernels": [
+            f"{sum(times) / repeats:7.1f} us {len(times) / repeats:5.1f}x  {name[:90]}" for name, times in top
+        ],
+    }
+
+
 def decode_profile(export: str, precision: str, device: str, batch: int, steps: int = 20) -> dict:
-    """Where a steady decode step's time goes at ``batch``: its wall time, the GPU kernels it runs and their
-    summed time (the GPU idles for the rest: the host's part of the step), and its costliest kernels."""
+    """Where the time goes at ``batch``: a steady decode step (its CUDA graph replayed), and the eager prefill
+    of one 32-byte prompt, which each step that admits a request arriving alone runs (as HTTP's do)."""
     exported = load_exported(export)
     engine = Engine(Decoder(exported.model, batch, precision, device), exported.tokenizer)
     params = GenerationParams(max_tokens=64 + steps, temperature=0.0)
@@ -84,28 +114,10 @@ def decode_profile(export: str, precision: str, device: str, batch: int, steps: 
     engine.run_batch([Sequence(tokens, params) for tokens in encoded])  # captures the graphs
     engine.step([Sequence(tokens, params) for tokens in encoded])
     engine.step([])
-    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
-    with profile(activities=activities) as profiled:
-        start = time.perf_counter()
-        for _ in range(steps):
-            engine.step([])
-        if device == "cuda":
-            torch.cuda.synchronize()
-        wall_us = (time.perf_counter() - start) * 1e6 / steps
-    kernels: dict[str, list[float]] = {}
-    for event in profiled.events():
-        if event.device_type == DeviceType.CUDA:
-            kernels.setdefault(event.name, []).append(event.time_range.elapsed_us())
-    busy_us = sum(sum(times) for times in kernels.values()) / steps
-    top = sorted(kernels.items(), key=lambda item: -sum(item[1]))[:12]
     return {
-        "wall_us_per_step": wall_us,
-        "kernels_per_step": sum(len(times) for times in kernels.values()) / steps,
-        "kernel_us_per_step": busy_us,
-        "gpu_idle_fraction": 1 - busy_us / wall_us,
-        "top_kernels": [
-            f"{sum(times) / steps:7.1f} us/step {len(times) / steps:5.1f}x  {name[:90]}" for name, times in top
-        ],
+        "decode_step": profiled(lambda: engine.step([]), steps, device),
+        # Into slot 0, over a live sequence's cache: the texts are not looked at any more.
+        "prefill_of_one_prompt": profiled(lambda: engine.decoder.prefill([0], encoded[:1], [False]), 10, device),
     }
 
 
