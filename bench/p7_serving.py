@@ -57,23 +57,31 @@ def prompts(count: int) -> list[str]:
     return [text[start : start + PROMPT_BYTES] for start in starts]
 
 
-def engine_tokens_per_s(export: str, precision: str, device: str, batch: int, max_tokens: int) -> float:
+def warm_engine(
+    export: str, precision: str, device: str, batch: int, max_tokens: int
+) -> tuple[Engine, Callable[[], list[Sequence]]]:
+    """An engine of ``batch`` slots that has run one batch of this bench's prompts (so its decode graphs are
+    captured), and a maker of that batch's requests: greedy, ``max_tokens`` new tokens each."""
     exported = load_exported(export)
     engine = Engine(Decoder(exported.model, batch, precision, device), exported.tokenizer)
     params = GenerationParams(max_tokens=max_tokens, temperature=0.0)
     encoded = [[int(t) for t in exported.tokenizer.encode(p)] for p in prompts(batch)]
 
-    def run() -> int:
-        sequences = [Sequence(tokens, params) for tokens in encoded]
-        engine.run_batch(sequences)
-        return sum(seq.generated for seq in sequences)
+    def requests() -> list[Sequence]:
+        return [Sequence(tokens, params) for tokens in encoded]
 
-    run()  # captures this batch's decode graphs
+    engine.run_batch(requests())
+    return engine, requests
+
+
+def engine_tokens_per_s(export: str, precision: str, device: str, batch: int, max_tokens: int) -> float:
+    engine, requests = warm_engine(export, precision, device, batch, max_tokens)
     if device == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
-    generated = run()
-    return generated / (time.perf_counter() - start)
+    sequences = requests()
+    engine.run_batch(sequences)
+    return sum(seq.generated for seq in sequences) / (time.perf_counter() - start)
 
 
 def profiled(work: Callable[[], object], repeats: int, device: str) -> dict:
@@ -107,17 +115,14 @@ def profiled(work: Callable[[], object], repeats: int, device: str) -> dict:
 def decode_profile(export: str, precision: str, device: str, batch: int, steps: int = 20) -> dict:
     """Where the time goes at ``batch``: a steady decode step (its CUDA graph replayed), and the eager prefill
     of one 32-byte prompt, which each step that admits a request arriving alone runs (as HTTP's do)."""
-    exported = load_exported(export)
-    engine = Engine(Decoder(exported.model, batch, precision, device), exported.tokenizer)
-    params = GenerationParams(max_tokens=64 + steps, temperature=0.0)
-    encoded = [[int(t) for t in exported.tokenizer.encode(p)] for p in prompts(batch)]
-    engine.run_batch([Sequence(tokens, params) for tokens in encoded])  # captures the graphs
-    engine.step([Sequence(tokens, params) for tokens in encoded])
+    engine, requests = warm_engine(export, precision, device, batch, 64 + steps)
+    engine.step(requests())
     engine.step([])
+    prompt = requests()[0].prompt
     return {
         "decode_step": profiled(lambda: engine.step([]), steps, device),
         # Into slot 0, over a live sequence's cache: the texts are not looked at any more.
-        "prefill_of_one_prompt": profiled(lambda: engine.decoder.prefill([0], encoded[:1], [False]), 10, device),
+        "prefill_of_one_prompt": profiled(lambda: engine.decoder.prefill([0], [prompt], [False]), 10, device),
     }
 
 

@@ -18,8 +18,6 @@ from pathlib import Path
 import psutil
 import yaml
 
-from train.process_group import free_port
-
 TWIN_CONFIG = Path(__file__).with_name("local.yaml")
 STATE_DIR = Path.home() / ".raywright" / "local-cluster"
 
@@ -34,6 +32,8 @@ def up(state_dir: Path = STATE_DIR) -> dict:
     if read_state(state_dir):
         raise RuntimeError(f"a local twin is already up (state in {state_dir}); `python -m cluster down --local` first")
     import ray
+
+    from train.process_group import free_port  # imports torch: only the command that starts a twin pays for it
 
     state_dir.mkdir(parents=True, exist_ok=True)
     ip = ray.util.get_node_ip_address()
