@@ -9,6 +9,8 @@ gives each precision's validation perplexity through the serving decoder, relati
 
 Engine: ``run_batch`` of B requests (32-byte prompts, ``--max-tokens`` new tokens each, greedy), after
 one untimed run of the same batch that captures its CUDA graphs; tokens/s = tokens generated / wall.
+The decode step is compiled as served (``compile: auto``: on a GPU); the first precision is also measured
+compiled and uncompiled, back to back, at batch 1 and 64.
 HTTP: one Serve replica of the same export and precision, 64 closed-loop clients for ``--seconds``,
 ÷ the continuous-batching engine in-process with 64 requests in flight for as long, after the same
 5 s warm-up (serve_load.py's load generator and engine loop). Prints a JSON report.
@@ -58,12 +60,12 @@ def prompts(count: int) -> list[str]:
 
 
 def warm_engine(
-    export: str, precision: str, device: str, batch: int, max_tokens: int
+    export: str, precision: str, device: str, batch: int, max_tokens: int, compile: bool | str = "auto"
 ) -> tuple[Engine, Callable[[], list[Sequence]]]:
     """An engine of ``batch`` slots that has run one batch of this bench's prompts (so its decode graphs are
     captured), and a maker of that batch's requests: greedy, ``max_tokens`` new tokens each."""
     exported = load_exported(export)
-    engine = Engine(Decoder(exported.model, batch, precision, device), exported.tokenizer)
+    engine = Engine(Decoder(exported.model, batch, precision, device, compile=compile), exported.tokenizer)
     params = GenerationParams(max_tokens=max_tokens, temperature=0.0)
     encoded = [[int(t) for t in exported.tokenizer.encode(p)] for p in prompts(batch)]
 
@@ -74,8 +76,10 @@ def warm_engine(
     return engine, requests
 
 
-def engine_tokens_per_s(export: str, precision: str, device: str, batch: int, max_tokens: int) -> float:
-    engine, requests = warm_engine(export, precision, device, batch, max_tokens)
+def engine_tokens_per_s(
+    export: str, precision: str, device: str, batch: int, max_tokens: int, compile: bool | str = "auto"
+) -> float:
+    engine, requests = warm_engine(export, precision, device, batch, max_tokens, compile)
     if device == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -167,6 +171,17 @@ def main() -> None:
         for precision in precisions
     }
     print(json.dumps(report["tokens_per_s"]), flush=True)
+    # The decode step compiled ÷ uncompiled, first precision, each pair measured back to back.
+    compiled = {
+        batch: {
+            setting: engine_tokens_per_s(export, precisions[0], args.device, batch, args.max_tokens, setting)
+            for setting in (True, False)
+        }
+        for batch in (1, 64)
+    }
+    report["compiled_tokens_per_s"] = compiled
+    report["compiled_over_uncompiled"] = {batch: pair[True] / pair[False] for batch, pair in compiled.items()}
+    print(json.dumps(report["compiled_over_uncompiled"]), flush=True)
     if args.profile:
         report["decode_profile"] = {
             batch: decode_profile(export, precisions[0], args.device, batch) for batch in (1, 64)

@@ -215,7 +215,7 @@ class CompletionServer:
         environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         self.chat_template = environment.from_string(template) if template else None
         max_batch = 1 if cfg.batching == "none" else cfg.max_batch_size
-        decoder = Decoder(exported.model, max_batch, self.precision, device, cfg.cuda_graphs)
+        decoder = Decoder(exported.model, max_batch, self.precision, device, cfg.cuda_graphs, cfg.compile)
         self.engine = Engine(decoder, self.tokenizer)
         self.batching = cfg.batching
         self.batcher = ContinuousBatcher(self.engine, on_step=self._record_step)

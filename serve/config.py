@@ -20,6 +20,9 @@ class ServeConfig(Section):
     """Where replicas run the model; auto = a GPU if the replica has one."""
     cuda_graphs: bool = True
     """On a GPU, replay each decode shape as a captured CUDA graph; false runs the decode step eagerly."""
+    compile: bool | Literal["auto"] = "auto"
+    """torch.compile the decode step when the replica starts (seconds); auto = on a GPU. On a CPU it gave
+    1.4-2.0x the tokens/s at batch 1 and 0.9-1.3x at 64 (BENCHMARKS.md, P7), for a slower start."""
     batching: Literal["continuous", "serve_batch", "none"] = "continuous"
     """Continuous batching; serve_batch (Ray Serve's @serve.batch) and none are for comparison."""
     max_batch_size: int = Field(32, ge=1)

@@ -13,10 +13,15 @@ A decode step reads the cache only up to the longest live sequence, rounded up t
 (``span_bucket``): a step's cost follows the lengths in flight rather than the context length,
 and the step has few distinct shapes. On a GPU each shape (batch rounded up the same way, times
 span) is captured once as a CUDA graph and replayed: a small model's decode step is otherwise
-bound by the time the host takes to launch its hundreds of kernels.
+bound by the time the host takes to launch its hundreds of kernels. Inside a graph, a small model's step
+at batch 1 still takes about as long as it has kernels, so on a GPU the step is also ``torch.compile``d
+first: the compiler fuses each layer's norms, bias adds, GELU, residual adds and cache writes into a few
+kernels.
 """
 
 import logging
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +54,7 @@ class Decoder:
         precision: str = "fp32",
         device: str | torch.device = "cpu",
         cuda_graphs: bool = True,
+        compile: bool | Literal["auto"] = "auto",
     ):
         device = torch.device(device)
         cfg = model.cfg
@@ -68,6 +74,9 @@ class Decoder:
         shape = (cfg.n_layer, max_batch, cfg.n_head, cfg.seq_len, head_dim)
         self.keys = torch.zeros(shape, dtype=self.dtype, device=device)
         self.values = torch.zeros(shape, dtype=self.dtype, device=device)
+        self.step = self.decode_span
+        if compile is True or (compile == "auto" and device.type == "cuda"):
+            self.step = _compiled(self)
         self.graphs = _DecodeGraphs(self) if cuda_graphs and device.type == "cuda" else None
 
     @torch.inference_mode()
@@ -98,12 +107,11 @@ class Decoder:
         span = span_bucket(max(positions) + 1, self.cfg.seq_len)
         if self.graphs is not None:
             return self.graphs.decode(tokens, positions, span)
-        return self.decode_span(
-            torch.tensor(tokens, device=self.device), torch.tensor(positions, device=self.device), span
-        )
+        return self.step(torch.tensor(tokens, device=self.device), torch.tensor(positions, device=self.device), span)
 
     def decode_span(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
-        """``decode`` of device tensors, attending over the first ``span`` cache positions."""
+        """``decode`` of device tensors, attending over the first ``span`` cache positions, uncompiled
+        (``step`` is this or its compiled version)."""
         return self._logits(tokens[:, None], positions[:, None], _DecodeCache(self, positions, span))[:, 0]
 
     def _logits(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -113,6 +121,31 @@ class Decoder:
         """Copy the cache of slot ``source`` to slot ``target`` (to keep live slots contiguous)."""
         self.keys[:, target] = self.keys[:, source]
         self.values[:, target] = self.values[:, source]
+
+
+def _compiled(decoder: Decoder) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]:
+    """``decoder.decode_span`` compiled, its batch and span dynamic, or, where compiling fails, uncompiled.
+
+    Compiled here, at batch 1 and 2 (two compilations: the compiler specializes size 1), so that a replica
+    is ready only once compiled, and a precision the compiler cannot handle serves uncompiled from the
+    start. The step writes keys and values at position 0 of slots 0 and 1, free now: a prefill overwrites
+    them before any sequence reads them.
+    """
+    # Compiled code is shared by all decoders of a process and keyed by their shapes and dtypes: a process
+    # may hold several (the benchmarks build one per precision and batch), and past dynamo's default of 8
+    # variants it would run the step uncompiled without a word.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    step = torch.compile(decoder.decode_span, dynamic=True)
+    try:
+        with torch.inference_mode():
+            for batch in sorted({1, min(2, decoder.max_batch)}):
+                tokens, positions = (torch.zeros(batch, dtype=torch.long, device=decoder.device) for _ in range(2))
+                step(tokens, positions, MIN_SPAN)  # two tensors: one passed twice would be compiled apart
+    except RuntimeError:  # the compiler's errors are RuntimeErrors (torch._dynamo.exc.BackendCompilerFailed)
+        logger.exception("the decode step cannot be compiled; decoding uncompiled")
+        return decoder.decode_span
+    logger.info("compiled the decode step")
+    return step
 
 
 class _PrefillCache:
@@ -138,6 +171,8 @@ class _DecodeCache:
     def __init__(self, decoder: Decoder, where: torch.Tensor, span: int):
         self.decoder, self.where, self.span = decoder, where, span
         self.slots = torch.arange(len(where), device=where.device)
+        self.layer_ids = torch.arange(decoder.cfg.n_layer, device=where.device)
+        self.heads = torch.arange(decoder.cfg.n_head, device=where.device)
         visible = torch.arange(span, device=where.device)[None, :] <= where[:, None]
         # Additive, in the attention's dtype, made once per step: attention converts a boolean mask to this
         # itself, in every layer (a `where` and scalar tensors each: kernels inside the graph on a GPU).
@@ -145,13 +180,14 @@ class _DecodeCache:
         self.mask = mask[:, None, None, :]  # (batch, 1 head, 1 query, span)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        keys, values = self.decoder.keys[layer], self.decoder.values[layer]
-        keys[self.slots, :, self.where] = k[:, :, 0]
-        values[self.slots, :, self.where] = v[:, :, 0]
+        # Written into the whole cache tensor, not into a view of this layer's part: compiled, a write
+        # through a view copied the whole cache every step (~40x slower on the CPU).
+        where = (self.layer_ids[layer], self.slots[:, None], self.heads[None, :], self.where[:, None])
+        self.decoder.keys.index_put_(where, k[:, :, 0])
+        self.decoder.values.index_put_(where, v[:, :, 0])
         batch = len(self.slots)
-        return F.scaled_dot_product_attention(
-            q, keys[:batch, :, : self.span], values[:batch, :, : self.span], attn_mask=self.mask
-        )
+        keys, values = (cache[layer, :batch, :, : self.span] for cache in (self.decoder.keys, self.decoder.values))
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask)
 
 
 class _DecodeGraphs:
@@ -164,8 +200,10 @@ class _DecodeGraphs:
 
     def __init__(self, decoder: Decoder):
         self.decoder = decoder
-        self.tokens = torch.zeros(decoder.max_batch, dtype=torch.long, device=decoder.device)
-        self.positions = torch.zeros(decoder.max_batch, dtype=torch.long, device=decoder.device)
+        # Inference tensors, as the eager step's inputs are: the compiled step would otherwise compile again.
+        with torch.inference_mode():
+            self.tokens = torch.zeros(decoder.max_batch, dtype=torch.long, device=decoder.device)
+            self.positions = torch.zeros(decoder.max_batch, dtype=torch.long, device=decoder.device)
         self.captured: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()  # the graphs replay one at a time, so they share memory
 
@@ -182,14 +220,14 @@ class _DecodeGraphs:
             except RuntimeError:  # e.g. a quantized kernel that syncs with the host: serve, eagerly
                 logger.exception("the decode step cannot be captured as a CUDA graph; decoding eagerly from now on")
                 self.decoder.graphs = None
-                return self.decoder.decode_span(self.tokens[:batch], self.positions[:batch], span)
+                return self.decoder.step(self.tokens[:batch], self.positions[:batch], span)
         graph, logits = self.captured[key]
         graph.replay()
         return logits[:batch].clone()  # the next replay overwrites the graph's output
 
     def _capture(self, batch: int, span: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         def step() -> torch.Tensor:
-            return self.decoder.decode_span(self.tokens[:batch], self.positions[:batch], span)
+            return self.decoder.step(self.tokens[:batch], self.positions[:batch], span)
 
         # One eager run on a side stream first, as PyTorch's CUDA graph recipe does: lazy initialization
         # (cuBLAS workspaces, quantized kernels' setup) must not happen inside the capture. It computes

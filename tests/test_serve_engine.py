@@ -29,9 +29,11 @@ def encode(text: str) -> list[int]:
     return [int(t) for t in TOKENIZER.encode(text)]
 
 
-def make_engine(export: str, precision: str, max_batch: int = 8, device: str = "cpu") -> Engine:
+def make_engine(
+    export: str, precision: str, max_batch: int = 8, device: str = "cpu", compile: bool | str = "auto"
+) -> Engine:
     exported = load_exported(export)
-    return Engine(Decoder(exported.model, max_batch, precision, device), exported.tokenizer)
+    return Engine(Decoder(exported.model, max_batch, precision, device, compile=compile), exported.tokenizer)
 
 
 ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -115,6 +117,28 @@ def test_padding_rows_of_a_captured_decode_shape_change_no_live_sequence():
     assert torch.equal(padded.decode([*tokens, 7], [p + 1 for p in positions] + [len(late)])[3:], expected)
 
 
+@pytest.mark.parametrize("precision, tolerance", [("fp32", 1e-5), ("int8", 1e-3)])
+def test_the_compiled_decode_step_gives_the_uncompiled_logits_and_cache(precision, tolerance):
+    """The step ``compile`` serves (on a GPU by default), checked on the CPU: batches of 3 and then 1 (the
+    compiler specializes size 1), spans 16 and 32, each step's keys and values written into the cache."""
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(seq_len=64, n_layer=2, n_head=2, d_model=32)).eval()
+    compiled, plain = Decoder(model, 4, precision, compile=True), Decoder(model, 4, precision, compile=False)
+    assert compiled.step != compiled.decode_span and plain.step == plain.decode_span
+    prompts = [[5, 6, 7, 8], [200, 201], [9, 10, 11]]
+    for decoder in (compiled, plain):
+        decoder.prefill([0, 1, 2], prompts, [False] * 3)
+    tokens, positions = [1, 2, 3], [len(p) for p in prompts]
+    for step in range(24):
+        batch = 3 if step < 12 else 1
+        expected = plain.decode(tokens[:batch], positions[:batch])
+        assert torch.allclose(compiled.decode(tokens[:batch], positions[:batch]), expected, atol=tolerance)
+        tokens, positions = expected.argmax(-1).tolist(), [p + 1 for p in positions[:batch]]
+    assert max(positions) > 16  # both spans were decoded
+    assert torch.allclose(compiled.keys, plain.keys, atol=tolerance)
+    assert torch.allclose(compiled.values, plain.values, atol=tolerance)
+
+
 def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
     return int(next_token_tensor(logits, temperature, top_p, generator))
 
@@ -190,22 +214,24 @@ def test_stop_sequences_and_max_tokens(memorized_export):
 
 
 @pytest.mark.parametrize(
-    "device, precision",
+    "device, precision, compile",
     [
-        ("cpu", "int8"),
-        ("cpu", "fp32"),
-        *(pytest.param("cuda", precision, marks=ON_GPU) for precision in ("bf16", "fp32", "int8", "fp8")),
+        ("cpu", "int8", "auto"),
+        ("cpu", "fp32", "auto"),
+        ("cpu", "int8", True),
+        # On a GPU, compiled (the default there) and replayed as CUDA graphs.
+        *(pytest.param("cuda", precision, "auto", marks=ON_GPU) for precision in ("bf16", "fp32", "int8", "fp8")),
     ],
 )
-def test_continuous_batching_gives_each_request_its_text_alone(memorized_export, device, precision):
+def test_continuous_batching_gives_each_request_its_text_alone(memorized_export, device, precision, compile):
     """Greedy and seeded sampled requests arriving at random times, joining and leaving a shared batch."""
     params = [GenerationParams(max_tokens=10 + 7 * i, temperature=0.0 if i % 2 else 0.8, seed=i) for i in range(8)]
     alone = [
-        make_engine(memorized_export, precision, max_batch=1, device=device).run_batch([Sequence(encode(p), q)])[0]
+        make_engine(memorized_export, precision, 1, device, compile).run_batch([Sequence(encode(p), q)])[0]
         for p, q in zip(PROMPTS, params, strict=True)
     ]
     assert PROMPTS[1] + alone[1] in MEMORIZED_TEXT * 3  # greedy recites: the comparison below is not of noise
-    engine = make_engine(memorized_export, precision, max_batch=4, device=device)  # fewer slots than requests
+    engine = make_engine(memorized_export, precision, 4, device, compile)  # fewer slots than requests
     batch_sizes = []
     batcher = ContinuousBatcher(engine, on_step=lambda size, queued: batch_sizes.append(size))
 
