@@ -4,6 +4,8 @@
 #   bash bench/gpu_checks.sh PART[:SECONDS] ...     PART: tests|p7|p3|p3-medium|p1|zero
 # Seen on an H200 (2026-11-26), the machine's start ~30 s: p7 under 140 s; p3 ~220 s (its bare loops
 # come last); tests ~270 s (the serving ones 17 s, each training one ~55 s, 4 ZeRO stages); p1 over 180 s.
+# Since then serving compiles its decode step on a GPU (a few compilations per precision and engine size,
+# not timed there yet): give p7 and the serving tests more.
 # For the lent GPU machine first run, here,
 #   SERVE=1 EXTRA_WHEELS="torchao==0.18.0 pytest pluggy iniconfig pygments psutil" ../shared/gpu/bundle.sh
 # (62 MB, under the 64 MiB a call may carry) and carry .gpu-wheels along: this script installs them (that
