@@ -13,7 +13,9 @@ The decode step is compiled as served (``compile: auto``: on a GPU); the first p
 compiled and uncompiled, back to back, at batch 1 and 64.
 HTTP: one Serve replica of the same export and precision, 64 closed-loop clients for ``--seconds``,
 ÷ the continuous-batching engine in-process with 64 requests in flight for as long, after the same
-5 s warm-up (serve_load.py's load generator and engine loop). Prints a JSON report.
+5 s warm-up (serve_load.py's load generator and engine loop); for both, where the decode loop's time
+went (per step: in the engine's step, and in the loop's turnaround; the share of prefilling; prompts per
+prefill), the replica's from its /ready. Prints a JSON report.
 ``--profile`` adds where the time goes at batch 1 and 64 (first precision), for a steady decode step and
 for the prefill of one prompt: wall time, GPU kernels and their summed time (the rest: the GPU idle while
 the host works), and the costliest kernels.
@@ -24,12 +26,13 @@ import asyncio
 import json
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import ray
 import torch
-from serve_load import engine_throughput, load, perplexity
+from serve_load import engine_throughput, load, loop_summary, perplexity
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
@@ -130,9 +133,14 @@ def decode_profile(export: str, precision: str, device: str, batch: int, steps: 
     }
 
 
+def replica_loop_times(url: str) -> dict:
+    with urllib.request.urlopen(f"{url}/ready", timeout=10) as reply:
+        return json.load(reply)["decode_loop"]
+
+
 def http_over_engine(export: str, precision: str, device: str, seconds: float, max_tokens: int) -> dict:
     texts = prompts(256)
-    engine = engine_throughput(export, texts, 64, seconds, max_tokens, precision, device)
+    engine, engine_loop = engine_throughput(export, texts, 64, seconds, max_tokens, precision, device)
     ray.init(address="local", _temp_dir=tempfile.mkdtemp(prefix="/tmp/rwb-"))
     from ray import serve
 
@@ -140,10 +148,17 @@ def http_over_engine(export: str, precision: str, device: str, seconds: float, m
     config = {"checkpoint": export, "precision": precision, "device": device, "max_batch_size": 64}
     serve.run(build_app({**config, "max_ongoing_requests": 64, "max_queued_requests": 1024}), name="p7")
     asyncio.run(load("http://127.0.0.1:8765", 64, 5.0, texts, max_tokens))  # warm up: captures the graphs
+    before = replica_loop_times("http://127.0.0.1:8765")
     http = asyncio.run(load("http://127.0.0.1:8765", 64, seconds, texts, max_tokens))
+    http["decode_loop"] = loop_summary(before, replica_loop_times("http://127.0.0.1:8765"))
     serve.shutdown()
     ray.shutdown()
-    return {"engine_requests_per_s_64": engine, "http": http, "P7_http_over_engine_64": http["requests_per_s"] / engine}
+    return {
+        "engine_requests_per_s_64": engine,
+        "engine_decode_loop": engine_loop,
+        "http": http,
+        "P7_http_over_engine_64": http["requests_per_s"] / engine,
+    }
 
 
 def main() -> None:

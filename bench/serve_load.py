@@ -25,6 +25,7 @@ import random
 import statistics
 import tempfile
 import time
+from dataclasses import asdict
 
 import aiohttp
 import numpy as np
@@ -116,12 +117,14 @@ def engine_throughput(
     precision: str = "int8",
     device: str = "cpu",
     warmup_s: float = 5.0,
-) -> float:
+) -> tuple[float, dict]:
     """Requests/s of the continuous-batching engine alone, ``in_flight`` requests at all times, each asking
     for its whole text at once (as the benchmarks' HTTP requests do), after ``warmup_s`` of the same load
-    untimed, as the HTTP loads get: on a GPU that is where the decode step's CUDA graphs are captured."""
+    untimed, as the HTTP loads get: on a GPU that is where the decode step's CUDA graphs are captured.
+    Also where its decode loop's time went meanwhile (``loop_summary``)."""
     exported = load_exported(export)
-    batcher = ContinuousBatcher(Engine(Decoder(exported.model, in_flight, precision, device), exported.tokenizer))
+    engine = Engine(Decoder(exported.model, in_flight, precision, device), exported.tokenizer)
+    batcher = ContinuousBatcher(engine)
     params = GenerationParams(max_tokens=max_tokens, temperature=0.0)
 
     async def client(index: int, deadline: float) -> int:
@@ -139,11 +142,27 @@ def engine_throughput(
         done = await asyncio.gather(*(client(i, start + duration) for i in range(in_flight)))
         return sum(done) / (time.perf_counter() - start)
 
-    async def run() -> float:
+    async def run() -> tuple[float, dict]:
         await requests_per_s(warmup_s)
-        return await requests_per_s(seconds)
+        before = asdict(engine.times)
+        rate = await requests_per_s(seconds)
+        return rate, loop_summary(before, asdict(engine.times))
 
     return asyncio.run(run())
+
+
+def loop_summary(before: dict, after: dict) -> dict:
+    """Where a decode loop's time went between two readings of its ``LoopTimes`` (a replica's /ready has
+    them): per step, in Engine.step and in the loop's own turnaround, and the share of prefilling."""
+    done = {key: after[key] - before[key] for key in after}
+    steps = max(done["steps"], 1)
+    return {
+        "steps_per_s": done["steps"] / done["loop_s"],
+        "step_ms": 1000 * done["step_s"] / steps,
+        "turnaround_ms": 1000 * (done["loop_s"] - done["step_s"]) / steps,
+        "prefill_share": done["prefill_s"] / done["loop_s"],
+        "prompts_per_prefill": done["prompts_prefilled"] / max(done["prefills"], 1),
+    }
 
 
 def perplexity(export: str, precision: str, rows: np.ndarray, device: str = "cpu") -> float:
@@ -215,7 +234,7 @@ def main() -> None:
         print("P6a pair", json.dumps(rps), flush=True)
     serve.shutdown()
 
-    engine_rps = engine_throughput(export, prompts, 32, args.seconds, args.max_tokens)
+    engine_rps, _ = engine_throughput(export, prompts, 32, args.seconds, args.max_tokens)
     ppl = {precision: perplexity(export, precision, val[:64]) for precision in ("fp32", "int8")}
     at32 = {
         name: results[f"{name}/32"]["requests_per_s"]

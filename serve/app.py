@@ -18,7 +18,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Annotated, Any, Literal
 
 import torch
@@ -257,7 +257,8 @@ class CompletionServer:
 
     @api.get("/ready")
     def ready(self) -> dict:
-        """Readiness, and this replica's load: sequences decoding, requests waiting, tokens generated so far."""
+        """Readiness, and this replica's load: sequences decoding, requests waiting, tokens generated so far, and
+        where its decode loop's time went (serve/engine.py, LoopTimes)."""
         return {
             "status": "ready",
             "model": self.model_name,
@@ -265,6 +266,7 @@ class CompletionServer:
             "in_flight": len(self.engine.live),
             "waiting": self.batcher.queue_depth,
             "generated_tokens": self.generated_tokens,
+            "decode_loop": asdict(self.engine.times),
         }
 
     @api.get("/v1/models", dependencies=[Depends(require_api_key)])

@@ -14,6 +14,7 @@ caller that goes away frees its slot at the next step, and nothing the loop meet
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -63,6 +64,22 @@ def joined(chunks: list[Chunk]) -> Chunk:
     )
 
 
+@dataclass
+class LoopTimes:
+    """Where a decode loop's time went, summed since it started (the replica's /ready shows them).
+
+    ``loop_s`` less ``step_s`` is the loop's own turnaround: handing a step to its thread and back,
+    waiting for the GIL and the event loop, giving out chunks. On a GPU, the device idles meanwhile.
+    """
+
+    steps: int = 0
+    loop_s: float = 0.0  # the loop's iterations, from taking waiting requests to giving out the step's chunks
+    step_s: float = 0.0  # of that, in Engine.step: decoding, prefilling, sampling
+    prefills: int = 0
+    prompts_prefilled: int = 0
+    prefill_s: float = 0.0  # of step_s, prefilling (the first tokens included)
+
+
 class Sequence:
     """One request in flight: its tokens, sampler and text, and a queue of chunks for its caller."""
 
@@ -93,6 +110,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.context = decoder.cfg.seq_len
         self.live: list[Sequence] = []  # live[i] owns cache slot i
+        self.times = LoopTimes()
 
     @property
     def free_slots(self) -> int:
@@ -163,6 +181,7 @@ class Engine:
 
         Should the pass fail, each sequence is prefilled alone, so that only one that fails alone fails.
         """
+        start = time.perf_counter()
         first = len(self.live)
         self.live.extend(admitted)
         slots = list(range(first, len(self.live)))
@@ -182,6 +201,9 @@ class Engine:
         prefilled = [(seq, rows) for seq, rows in prefilled if seq.finish_reason is None]
         if prefilled:
             self._accept([seq for seq, _ in prefilled], torch.cat([rows[-1:] for _, rows in prefilled]))
+        self.times.prefills += 1
+        self.times.prompts_prefilled += len(admitted)
+        self.times.prefill_s += time.perf_counter() - start
 
     @staticmethod
     def _record_prompt_logprobs(seq: Sequence, rows: torch.Tensor) -> None:
@@ -193,6 +215,7 @@ class Engine:
 
         Returns the sequences that produced chunks. Finished and cancelled sequences leave.
         """
+        start = time.perf_counter()
         # Decode first: a sequence admitted now gets its first token from its prompt's logits.
         self._compact([seq for seq in self.live if not seq.cancelled])
         stepping = list(self.live)  # in slot order: a decode row is its slot
@@ -202,6 +225,8 @@ class Engine:
         if admitted:
             self._admit(admitted)
         self._compact([seq for seq in self.live if seq.finish_reason is None])
+        self.times.steps += 1
+        self.times.step_s += time.perf_counter() - start
         return stepping + admitted
 
     def _compact(self, keep: list[Sequence]) -> None:
@@ -281,6 +306,7 @@ class ContinuousBatcher:
             if not self.waiting and not self.engine.live:
                 self._wakeup.clear()
                 await self._wakeup.wait()
+            start = time.perf_counter()
             admitted = self.waiting[: self.engine.free_slots]
             del self.waiting[: len(admitted)]
             # The step runs in a thread (torch releases the GIL) so HTTP keeps flowing meanwhile.
@@ -305,3 +331,4 @@ class ContinuousBatcher:
                     self._on_step(len(stepped), len(self.waiting))
                 except Exception:  # metrics must never stop the loop
                     logger.exception("step metrics failed")
+            self.engine.times.loop_s += time.perf_counter() - start

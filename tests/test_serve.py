@@ -392,6 +392,8 @@ def test_dropped_streams_free_their_slots_and_a_new_request_completes(server):
     load = ready(server)
     # Had the dropped streams run to the end, they would have generated 64 x 94 tokens.
     assert load["generated_tokens"] - before < 64 * 94 / 3 and load["waiting"] == 0
+    loop = load["decode_loop"]
+    assert loop["prompts_prefilled"] >= 65 and 0 < loop["prefill_s"] < loop["step_s"] < loop["loop_s"]
 
 
 def test_a_redeploy_lets_every_request_in_flight_on_the_replaced_replica_finish(server, memorized_export):

@@ -247,6 +247,25 @@ def test_continuous_batching_gives_each_request_its_text_alone(memorized_export,
     assert max(batch_sizes) == 4
 
 
+def test_the_decode_loop_accounts_for_its_steps_prefills_and_turnaround(memorized_export):
+    """Six requests for five tokens each, four slots: the first four are prefilled together and take five
+    steps, the last two are prefilled together when those leave and take five more."""
+    engine = make_engine(memorized_export, "int8", max_batch=4)
+    batcher = ContinuousBatcher(engine)
+    params = GenerationParams(max_tokens=5, temperature=0.0)
+
+    async def texts() -> list[str]:
+        async def one(prompt: str) -> str:
+            return "".join([chunk.text async for chunk in batcher.generate(Sequence(encode(prompt), params))])
+
+        return await asyncio.gather(*(one(prompt) for prompt in PROMPTS[:6]))
+
+    assert all(asyncio.run(texts()))
+    times = engine.times
+    assert (times.steps, times.prefills, times.prompts_prefilled) == (10, 2, 6)
+    assert 0 < times.prefill_s < times.step_s < times.loop_s
+
+
 def test_a_sequence_that_leaves_the_batch_costs_at_most_one_cache_move(memorized_export):
     """Live sequences keep slots 0..B-1; the slot a finished one frees takes the cache of the last, rather
     than every sequence above it moving down one (on a GPU each move copies a slot's whole cache)."""
