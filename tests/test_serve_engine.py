@@ -339,3 +339,34 @@ def test_a_request_past_its_timeout_ends_and_frees_its_slot(memorized_export):
     late, after = asyncio.run(run())
     assert late[-1].finish_reason == "timeout" and "longer than 0.001 s" in late[-1].text
     assert after == " aus " and batcher.loop_failed is None
+
+
+def test_a_failed_decode_step_fails_the_requests_in_flight_and_the_loop_serves_on(memorized_export):
+    """A step whose forward fails (on a GPU, say, out of memory) ends the requests in that batch with an
+    error; the decode loop goes on and the next request is served."""
+    engine = make_engine(memorized_export, "int8", max_batch=2)
+    batcher = ContinuousBatcher(engine)
+    decode, calls = engine.decoder.decode, []
+
+    def third_step_fails(tokens: list[int], positions: list[int]) -> torch.Tensor:
+        calls.append(len(tokens))
+        if len(calls) == 3:
+            raise RuntimeError("CUDA out of memory")
+        return decode(tokens, positions)
+
+    engine.decoder.decode = third_step_fails
+    greedy = GenerationParams(max_tokens=8, temperature=0.0)
+
+    async def chunks(prompt: str, params: GenerationParams) -> list[Chunk]:
+        return [chunk async for chunk in batcher.generate(Sequence(encode(prompt), params))]
+
+    async def run() -> tuple[list[list[Chunk]], list[Chunk]]:
+        async with asyncio.timeout(60):  # a loop that died with the step would leave its callers waiting
+            failed = await asyncio.gather(chunks("Grüße", greedy), chunks("Köln", greedy))
+            return failed, await chunks("Grüße", replace(greedy, max_tokens=5))
+
+    failed, after = asyncio.run(run())
+    assert calls[:3] == [2, 2, 2]  # both requests were in the step that failed
+    for request in failed:  # each had its prompt's token and two decoded ones, then the failure
+        assert len(request) == 4 and request[-1] == Chunk(GENERATION_FAILED, "error", 0)
+    assert "".join(chunk.text for chunk in after) == " aus " and batcher.loop_failed is None
