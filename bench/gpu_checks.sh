@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 10's checks on one GPU. Each part fits a 10-minute call on an H100; several run one after another,
 # each cut at its own limit in seconds where one is given, so that one call can try them all:
-#   bash bench/gpu_checks.sh PART[:SECONDS] ...     PART: tests|p7|p3|p3-medium|p1|zero
+#   bash bench/gpu_checks.sh PART[:SECONDS] ...     PART: tests|p7|p3|p3-medium|p1|zero|ppl
 # Seen on an H200 (2026-11-26), the machine's start ~30 s: p7 under 140 s; p3 ~220 s (its bare loops
 # come last); tests ~270 s (the serving ones 17 s, each training one ~55 s, 4 ZeRO stages); p1 over 180 s.
 # Since then serving compiles its decode step on a GPU (a few compilations per precision and engine size,
@@ -36,6 +36,13 @@ case $1 in
   p7) run p7 python bench/p7_serving.py --seconds 10 --profile ;;
   p3) run p3_small python bench/p3_mfu.py --steps 20 ;;
   p3-medium) run p3_medium python bench/p3_mfu.py --config medium --steps 20 ;;
+  # Each precision's perplexity through the serving decoder, for the small shape trained here for 150 short
+  # steps (a trained export of that size is too large to carry to the GPU machine).
+  ppl)
+    run ppl_train python -m train --config small --set scaling.num_workers=1 --set optim.global_batch_size=96 \
+      --set optim.max_steps=150 --set optim.warmup_steps=30 --set run.eval_every=150 --set checkpoint.every_steps=150 \
+      --set run.storage_path="$PWD/gpu-runs" --set run.name=ppl
+    run ppl python bench/p7_serving.py --checkpoint gpu-runs/ppl --perplexity-only ;;
   p1) run p1_gpu python bench/p3_mfu.py --steps 30 --set deepspeed.zero_stage=0 --set run.compile=false ;;
   # Why ZeRO-2/3 are slower than ZeRO-1 on one GPU: stages 1-3 on the small model, same micro-batch, not
   # compiled, with raywright's gradient buckets and with d_model^2 ones; the top ops of a profiled step each.
@@ -44,7 +51,7 @@ case $1 in
       --set scaling.num_workers=1 --set optim.micro_batch_size=8 --set optim.global_batch_size=32 --set run.compile=false
     grep -A 20 "profile of steps" "$out/zero.log" | sed -E 's/^.*\(RayTrainWorker[^)]*\)[^ ]* //' | cut -c1-150
     grep -E '"(zero[0-3]|raywright_over_hf_auto)"|^ +[0-9.]+,?$' "$out/zero.log" ;;
-  *) echo "usage: bash bench/gpu_checks.sh PART[:SECONDS] ...  (PART: tests|p7|p3|p3-medium|p1|zero)" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_checks.sh PART[:SECONDS] ...  (PART: tests|p7|p3|p3-medium|p1|zero|ppl)" >&2; exit 2 ;;
 esac
 }
 

@@ -1,6 +1,7 @@
 """P7: serving engine tokens/s at batch 1 / 32 / 64 on a GPU, per precision; through HTTP at 64 clients ÷ the engine.
 
     python bench/p7_serving.py [--checkpoint EXPORT] [--precisions bf16,int8,fp8] [--no-http] [--profile]
+                               [--perplexity-only]
 
 Needs a GPU (``--device cpu`` runs the same measurements on a CPU, slowly: ``--set`` a smaller shape).
 Without --checkpoint it exports an untrained GPT of the ``small`` recipe's shape (128.6M params,
@@ -36,7 +37,7 @@ from serve_load import engine_throughput, load, loop_summary, perplexity
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from serve.app import build_app
+from serve.app import build_app, resolve_export
 from serve.decoder import Decoder
 from serve.engine import Engine, GenerationParams, Sequence
 from train.config import config_from_dict, load_config
@@ -161,29 +162,15 @@ def http_over_engine(export: str, precision: str, device: str, seconds: float, m
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--checkpoint", help="an export dir; default: an untrained model of the small shape")
-    parser.add_argument("--set", action="append", default=[], help="small-recipe overrides for the untrained model")
-    parser.add_argument("--precisions", default="bf16,int8,fp8")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--seconds", type=float, default=20.0, help="duration of each HTTP / engine load")
-    parser.add_argument("--no-http", action="store_true", help="skip the Serve measurement")
-    parser.add_argument("--profile", action="store_true", help="where a decode step's time goes, at batch 1 and 64")
-    args = parser.parse_args()
-    precisions = args.precisions.split(",")
-
-    export = args.checkpoint or untrained_export(args.set, tempfile.mkdtemp(prefix="rw-p7-"))
-    exported = load_exported(export)
-    report: dict = {"model": vars(exported.model.cfg), "params": exported.model.num_params(), "device": args.device}
-    if args.device == "cuda":
-        report["gpu"] = torch.cuda.get_device_name()
-    report["tokens_per_s"] = {
-        precision: {
-            batch: engine_tokens_per_s(export, precision, args.device, batch, args.max_tokens) for batch in BATCHES
+def engine_report(export: str, precisions: list[str], args: argparse.Namespace) -> dict:
+    """Tokens/s per precision and batch; compiled ÷ uncompiled; with ``--profile``, where a step's time goes."""
+    report: dict = {
+        "tokens_per_s": {
+            precision: {
+                batch: engine_tokens_per_s(export, precision, args.device, batch, args.max_tokens) for batch in BATCHES
+            }
+            for precision in precisions
         }
-        for precision in precisions
     }
     print(json.dumps(report["tokens_per_s"]), flush=True)
     # The decode step compiled ÷ uncompiled, first precision, each pair measured back to back.
@@ -202,12 +189,43 @@ def main() -> None:
             batch: decode_profile(export, precisions[0], args.device, batch) for batch in (1, 64)
         }
         print(json.dumps(report["decode_profile"], indent=2), flush=True)
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--checkpoint", help="an export or run dir; default: an untrained model of the small shape")
+    parser.add_argument("--set", action="append", default=[], help="small-recipe overrides for the untrained model")
+    parser.add_argument("--precisions", default="bf16,int8,fp8")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--seconds", type=float, default=20.0, help="duration of each HTTP / engine load")
+    parser.add_argument("--no-http", action="store_true", help="skip the Serve measurement")
+    parser.add_argument("--profile", action="store_true", help="where a decode step's time goes, at batch 1 and 64")
+    parser.add_argument(
+        "--perplexity-only", action="store_true", help="only each precision's perplexity (a trained --checkpoint)"
+    )
+    args = parser.parse_args()
+    precisions = args.precisions.split(",")
+
+    if args.checkpoint:
+        export = resolve_export(args.checkpoint)
+    else:
+        export = untrained_export(args.set, tempfile.mkdtemp(prefix="rw-p7-"))
+    exported = load_exported(export)
+    if args.perplexity_only and not exported.provenance:
+        parser.error(f"--perplexity-only: {export} is not a training export (it records no training data)")
+    report: dict = {"model": vars(exported.model.cfg), "params": exported.model.num_params(), "device": args.device}
+    if args.device == "cuda":
+        report["gpu"] = torch.cuda.get_device_name()
+    if not args.perplexity_only:
+        report.update(engine_report(export, precisions, args))
     if exported.provenance:
-        val = load_split(dataset_path(config_from_dict(exported.provenance["config"])), "val")[:32, :256]
+        val = load_split(dataset_path(config_from_dict(exported.provenance["config"])), "val")[:32][:, :256]
         ppl = {precision: perplexity(export, precision, val, args.device) for precision in precisions}
         report["perplexity"] = ppl
         report["perplexity_rise_over_first"] = {p: ppl[p] / ppl[precisions[0]] - 1 for p in precisions}
-    if not args.no_http:
+    if not (args.no_http or args.perplexity_only):
         report.update(http_over_engine(export, precisions[0], args.device, args.seconds, args.max_tokens))
     print(json.dumps(report, indent=2))
 
