@@ -39,7 +39,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from serve.app import build_app, resolve_export
 from serve.decoder import Decoder
-from serve.engine import Engine, GenerationParams, Sequence
+from serve.engine import Engine, GenerationParams, LoopTimes, Sequence
 from train.config import config_from_dict, load_config
 from train.data import dataset_path, load_split
 from train.export import load_exported, save_export
@@ -134,9 +134,9 @@ def decode_profile(export: str, precision: str, device: str, batch: int, steps: 
     }
 
 
-def replica_loop_times(url: str) -> dict:
+def replica_loop_times(url: str) -> LoopTimes:
     with urllib.request.urlopen(f"{url}/ready", timeout=10) as reply:
-        return json.load(reply)["decode_loop"]
+        return LoopTimes(**json.load(reply)["decode_loop"])
 
 
 def http_over_engine(export: str, precision: str, device: str, seconds: float, max_tokens: int) -> dict:

@@ -25,7 +25,7 @@ import random
 import statistics
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import fields, replace
 
 import aiohttp
 import numpy as np
@@ -35,7 +35,7 @@ from ray import serve
 
 from serve.app import build_app, resolve_export
 from serve.decoder import Decoder
-from serve.engine import ContinuousBatcher, Engine, GenerationParams, Sequence
+from serve.engine import ContinuousBatcher, Engine, GenerationParams, LoopTimes, Sequence
 from train.config import config_from_dict, load_config
 from train.data import dataset_path, load_split
 from train.export import load_exported
@@ -144,24 +144,24 @@ def engine_throughput(
 
     async def run() -> tuple[float, dict]:
         await requests_per_s(warmup_s)
-        before = asdict(engine.times)
+        before = replace(engine.times)  # a copy: the engine adds to its own
         rate = await requests_per_s(seconds)
-        return rate, loop_summary(before, asdict(engine.times))
+        return rate, loop_summary(before, engine.times)
 
     return asyncio.run(run())
 
 
-def loop_summary(before: dict, after: dict) -> dict:
-    """Where a decode loop's time went between two readings of its ``LoopTimes`` (a replica's /ready has
-    them): per step, in Engine.step and in the loop's own turnaround, and the share of prefilling."""
-    done = {key: after[key] - before[key] for key in after}
-    steps = max(done["steps"], 1)
+def loop_summary(before: LoopTimes, after: LoopTimes) -> dict:
+    """Where a decode loop's time went between two readings of its times (a replica's /ready has them):
+    per step, in Engine.step and in the loop's own turnaround, and the share of prefilling."""
+    done = LoopTimes(**{f.name: getattr(after, f.name) - getattr(before, f.name) for f in fields(LoopTimes)})
+    steps = max(done.steps, 1)
     return {
-        "steps_per_s": done["steps"] / done["loop_s"],
-        "step_ms": 1000 * done["step_s"] / steps,
-        "turnaround_ms": 1000 * (done["loop_s"] - done["step_s"]) / steps,
-        "prefill_share": done["prefill_s"] / done["loop_s"],
-        "prompts_per_prefill": done["prompts_prefilled"] / max(done["prefills"], 1),
+        "steps_per_s": done.steps / done.loop_s,
+        "step_ms": 1000 * done.step_s / steps,
+        "turnaround_ms": 1000 * (done.loop_s - done.step_s) / steps,
+        "prefill_share": done.prefill_s / done.loop_s,
+        "prompts_per_prefill": done.prompts_prefilled / max(done.prefills, 1),
     }
 
 

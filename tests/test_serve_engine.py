@@ -36,6 +36,15 @@ def make_engine(
     return Engine(Decoder(exported.model, max_batch, precision, device, compile=compile), exported.tokenizer)
 
 
+async def generated(batcher: ContinuousBatcher, prompt: str, params: GenerationParams, **options) -> list[Chunk]:
+    """Every chunk of one request through ``batcher``."""
+    return [chunk async for chunk in batcher.generate(Sequence(encode(prompt), params), **options)]
+
+
+def text_of(chunks: list[Chunk]) -> str:
+    return "".join(chunk.text for chunk in chunks)
+
+
 ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
@@ -237,7 +246,7 @@ def test_continuous_batching_gives_each_request_its_text_alone(memorized_export,
 
     async def one(prompt: str, p: GenerationParams, delay: float) -> str:
         await asyncio.sleep(delay)
-        return "".join([chunk.text async for chunk in batcher.generate(Sequence(encode(prompt), p))])
+        return text_of(await generated(batcher, prompt, p))
 
     async def all_at_once() -> list[str]:
         rng = random.Random(0)
@@ -254,13 +263,10 @@ def test_the_decode_loop_accounts_for_its_steps_prefills_and_turnaround(memorize
     batcher = ContinuousBatcher(engine)
     params = GenerationParams(max_tokens=5, temperature=0.0)
 
-    async def texts() -> list[str]:
-        async def one(prompt: str) -> str:
-            return "".join([chunk.text async for chunk in batcher.generate(Sequence(encode(prompt), params))])
+    async def requests() -> list[list[Chunk]]:
+        return await asyncio.gather(*(generated(batcher, prompt, params) for prompt in PROMPTS[:6]))
 
-        return await asyncio.gather(*(one(prompt) for prompt in PROMPTS[:6]))
-
-    assert all(asyncio.run(texts()))
+    assert all(text_of(chunks) for chunks in asyncio.run(requests()))
     times = engine.times
     assert (times.steps, times.prefills, times.prompts_prefilled) == (10, 2, 6)
     assert 0 < times.prefill_s < times.step_s < times.loop_s
@@ -330,10 +336,8 @@ def test_a_request_past_its_timeout_ends_and_frees_its_slot(memorized_export):
     greedy = GenerationParams(max_tokens=80, temperature=0.0)
 
     async def run() -> tuple[list, str]:
-        late = [chunk async for chunk in batcher.generate(Sequence(encode("K"), greedy), timeout_s=0.001)]
-        after = "".join(
-            [c.text async for c in batcher.generate(Sequence(encode("Grüße"), replace(greedy, max_tokens=5)))]
-        )
+        late = await generated(batcher, "K", greedy, timeout_s=0.001)
+        after = text_of(await generated(batcher, "Grüße", replace(greedy, max_tokens=5)))
         return late, after
 
     late, after = asyncio.run(run())
@@ -357,16 +361,13 @@ def test_a_failed_decode_step_fails_the_requests_in_flight_and_the_loop_serves_o
     engine.decoder.decode = third_step_fails
     greedy = GenerationParams(max_tokens=8, temperature=0.0)
 
-    async def chunks(prompt: str, params: GenerationParams) -> list[Chunk]:
-        return [chunk async for chunk in batcher.generate(Sequence(encode(prompt), params))]
-
     async def run() -> tuple[list[list[Chunk]], list[Chunk]]:
         async with asyncio.timeout(60):  # a loop that died with the step would leave its callers waiting
-            failed = await asyncio.gather(chunks("Grüße", greedy), chunks("Köln", greedy))
-            return failed, await chunks("Grüße", replace(greedy, max_tokens=5))
+            failed = await asyncio.gather(generated(batcher, "Grüße", greedy), generated(batcher, "Köln", greedy))
+            return failed, await generated(batcher, "Grüße", replace(greedy, max_tokens=5))
 
     failed, after = asyncio.run(run())
     assert calls[:3] == [2, 2, 2]  # both requests were in the step that failed
     for request in failed:  # each had its prompt's token and two decoded ones, then the failure
         assert len(request) == 4 and request[-1] == Chunk(GENERATION_FAILED, "error", 0)
-    assert "".join(chunk.text for chunk in after) == " aus " and batcher.loop_failed is None
+    assert text_of(after) == " aus " and batcher.loop_failed is None
