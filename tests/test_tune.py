@@ -192,7 +192,7 @@ def test_trial_resumes_from_its_checkpoint_on_another_spot_node(ray_session, tin
     result = []
     options = {
         "name": "preempt",
-        "set": [*SHORT, "optim.max_steps=500", "checkpoint.preemption_check_s=1"],
+        "set": [*SHORT, "optim.max_steps=200", "checkpoint.preemption_check_s=1"],
         "space": {"optim.lr": {"choice": [3e-3]}},
         "num_trials": 1,
         "storage_path": str(tmp_path),
@@ -211,7 +211,7 @@ def test_trial_resumes_from_its_checkpoint_on_another_spot_node(ray_session, tin
             saved = [int(p.parent.name[len("step_") :]) for p in checkpoints.glob(METADATA_GLOB)]
         (trial_actor,) = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if "ImplicitFunc" in a.class_name]
         lost = next(n for n in spot_nodes if n.node_id == trial_actor.node_id)
-        drain_node(lost.node_id, deadline_s=4)  # far from the trial's end: ~400 steps on
+        drain_node(lost.node_id, deadline_s=4)  # far from the trial's end: ~150 steps on
         reasons = {}  # of every checkpoint seen (keep_last prunes them as the trial goes on)
         while "deadline" not in reasons.values():
             assert sweep_thread.is_alive() and time.time() < deadline, f"no checkpoint before the deadline: {reasons}"
@@ -226,17 +226,17 @@ def test_trial_resumes_from_its_checkpoint_on_another_spot_node(ray_session, tin
             if node in ray_session.worker_nodes:
                 ray_session.remove_node(node)
     (trial,) = result[0].trials.to_dict("records")
-    assert trial["steps"] == 500 and trial["node_id"] != lost.node_id
+    assert trial["steps"] == 200 and trial["node_id"] != lost.node_id
     progress = pd.read_csv(next((tmp_path / "sweeps" / "preempt").glob("run_trial*/progress.csv")))
     # Tune keeps the trial's history across the restart: it ran on the lost node, then on the other one,
     # and its evaluations continue from the checkpoint instead of starting again at step 0.
     assert list(progress["node_id"].unique()) == [lost.node_id, trial["node_id"]]
     # (An evaluation between the last checkpoint and the node loss may be reported twice.)
     steps = progress["step"].tolist()
-    assert steps.count(0) == 1 and sorted(set(steps)) == list(range(0, 501, 10)), steps
+    assert steps.count(0) == 1 and sorted(set(steps)) == list(range(0, 201, 10)), steps
     # keep_trial_checkpoints: the ended trial keeps its newest (keep_last 2 of the tiny recipe).
     kept = sorted(p.parent.name for p in checkpoints.glob(METADATA_GLOB))
-    assert kept == ["step_00000490", "step_00000500"], kept
+    assert kept == ["step_00000190", "step_00000200"], kept
 
 
 def test_a_sweep_ends_once_its_step_budget_is_spent(ray_session, tiny_dataset, tmp_path):
