@@ -189,8 +189,7 @@ def resolve_export(checkpoint: str) -> str:
 
 def chat_template(location: str) -> str | None:
     """The chat template a model directory's tokenizer_config.json declares, if any."""
-    path = storage.join(location, "tokenizer_config.json")
-    template = storage.read_json(path).get("chat_template") if storage.exists(path) else None
+    template = (storage.read_json_if_exists(storage.join(location, "tokenizer_config.json")) or {}).get("chat_template")
     return template if isinstance(template, str) else None
 
 

@@ -28,3 +28,15 @@ def test_storage_that_comes_back_is_waited_for_and_storage_that_stays_down_fails
 
     with s3_server.outage(), pytest.raises(OSError, match="NETWORK_CONNECTION"):
         storage.wait_until_reachable([run], timeout_s=1, poll_s=0.5)
+
+
+def test_a_file_that_is_not_there_reads_as_none_and_storage_that_is_down_raises(s3_server, s3_bucket, tmp_path):
+    """One request instead of exists-then-read; an outage must not pass for a missing file (a lease read as free)."""
+    for root in (str(tmp_path), f"{s3_bucket}/read-{time.time_ns()}"):
+        uri = storage.join(root, "lease.json")
+        assert storage.read_if_exists(uri) is None and storage.read_json_if_exists(uri) is None
+        storage.write_json(uri, {"token": "abc"})
+        assert storage.read_json_if_exists(uri) == {"token": "abc"}
+    with s3_server.outage(), pytest.raises(OSError) as raised:
+        storage.read_if_exists(uri)
+    assert not isinstance(raised.value, FileNotFoundError)

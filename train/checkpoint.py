@@ -54,9 +54,10 @@ def _file_sizes(uri: str) -> dict[str, int]:
 
 def _incompleteness(uri: str) -> str | None:
     """Why the checkpoint at ``uri`` is incomplete, or None if it is complete."""
-    if not storage.exists(storage.join(uri, METADATA)):
+    metadata = storage.read_json_if_exists(storage.join(uri, METADATA))
+    if metadata is None:
         return f"no {METADATA}"
-    expected = storage.read_json(storage.join(uri, METADATA))["files"]
+    expected = metadata["files"]
     present = _file_sizes(uri)
     for name, size in expected.items():
         if present.get(name) != size:

@@ -207,9 +207,9 @@ def refuse_foreign(out: str) -> None:
     """Refuse an ``out`` that holds files raywright did not write (no manifest, no preparation marker)."""
     if not storage.exists(out) or not storage.list_dir(out):
         return
-    manifest = storage.join(out, MANIFEST)
+    manifest = storage.read_json_if_exists(storage.join(out, MANIFEST))
     ours = storage.exists(storage.join(out, PREPARING)) or (
-        storage.exists(manifest) and {"seq_len", "tokenizer", "train"} <= set(storage.read_json(manifest))
+        manifest is not None and {"seq_len", "tokenizer", "train"} <= set(manifest)
     )
     if not ours:
         raise ConfigError(
@@ -266,8 +266,7 @@ def dataset_path(cfg: TrainConfig) -> str:
 
 def load_manifest(path: str) -> dict | None:
     """The manifest of a prepared dataset, or None if ``path`` holds no complete preparation."""
-    uri = storage.join(path, MANIFEST)
-    return storage.read_json(uri) if storage.exists(uri) else None
+    return storage.read_json_if_exists(storage.join(path, MANIFEST))
 
 
 def _prepared_manifest(path: str) -> dict:

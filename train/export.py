@@ -75,7 +75,7 @@ def load_exported(uri: str, dtype: torch.dtype | None = None) -> Exported:
     load_weights(model, uri)
     if dtype is not None:
         model.to(dtype)
-    info = storage.read_json(storage.join(uri, PROVENANCE)) if storage.exists(storage.join(uri, PROVENANCE)) else {}
+    info = storage.read_json_if_exists(storage.join(uri, PROVENANCE)) or {}
     provenance = info.get("provenance", {})
     run_name = provenance.get("config", {}).get("run", {}).get("name")
     name = run_name or PurePosixPath(uri.rstrip("/")).name

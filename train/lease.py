@@ -74,7 +74,8 @@ class Lease:
         return Owner(socket.gethostname(), os.getpid(), self.token, time.time())
 
     def holder(self) -> Owner | None:
-        return Owner(**storage.read_json(self.uri)) if storage.exists(self.uri) else None
+        held = storage.read_json_if_exists(self.uri)
+        return None if held is None else Owner(**held)
 
     def acquire(self) -> None:
         """Take the lease, or raise RunOwnedError naming the live owner."""

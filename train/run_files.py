@@ -63,7 +63,7 @@ class JsonlLog:
         logged and left to the next flush: a log opened in an outage (a resumed driver's first report) must not
         raise."""
         try:
-            stored = storage.read_bytes(self.uri) if storage.exists(self.uri) else b""
+            stored = storage.read_if_exists(self.uri) or b""
         except OSError as exc:
             logger.warning("could not read %s (read again before the next upload): %s", self.uri, exc)
             return False
@@ -142,9 +142,8 @@ def try_upload(upload: Callable[[], None], uri: str, local: str) -> bool:
 
 
 def read_jsonl(uri: str) -> list[dict[str, Any]]:
-    if not storage.exists(uri):
-        return []
-    return [json.loads(line) for line in storage.read_bytes(uri).decode().splitlines()]
+    data = storage.read_if_exists(uri) or b""
+    return [json.loads(line) for line in data.decode().splitlines()]
 
 
 def local_dir_for(uri: str) -> str:

@@ -102,6 +102,20 @@ def read_bytes(uri: str) -> bytes:
         return f.read()
 
 
+def read_if_exists(uri: str) -> bytes | None:
+    """``uri``'s bytes, or None where it does not exist: one request where ``exists`` then ``read_bytes`` make two.
+    Storage that cannot be reached still raises (an OSError): it is not taken for a file that is not there."""
+    try:
+        return read_bytes(uri)
+    except FileNotFoundError:
+        return None
+
+
+def read_json_if_exists(uri: str) -> Any | None:
+    data = read_if_exists(uri)
+    return None if data is None else json.loads(data)
+
+
 def write_json(uri: str, value: Any) -> None:
     write_bytes(uri, json.dumps(value, indent=2, sort_keys=True).encode())
 

@@ -123,9 +123,10 @@ def load_tokenizer(location: str) -> BPETokenizer:
     The byte tokenizer's file gives back a ``ByteTokenizer``, whose encoding is exact for any bytes.
     """
     uri = location if location.endswith(".json") else storage.join(location, TOKENIZER_FILE)
-    if not storage.exists(uri):
+    data = storage.read_if_exists(uri)
+    if data is None:
         raise FileNotFoundError(f"no {TOKENIZER_FILE} at {location}")
-    text = storage.read_bytes(uri).decode()
+    text = data.decode()
     byte_tokenizer = ByteTokenizer()
     if text == byte_tokenizer.to_json():
         return byte_tokenizer
