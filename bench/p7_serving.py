@@ -145,13 +145,15 @@ def http_over_engine(export: str, precision: str, device: str, seconds: float, m
     ray.init(address="local", _temp_dir=tempfile.mkdtemp(prefix="/tmp/rwb-"))
     from ray import serve
 
-    serve.start(http_options={"host": "127.0.0.1", "port": 8765})
+    host, port = "127.0.0.1", 8765
+    url = f"http://{host}:{port}"
+    serve.start(http_options={"host": host, "port": port})
     config = {"checkpoint": export, "precision": precision, "device": device, "max_batch_size": 64}
     serve.run(build_app({**config, "max_ongoing_requests": 64, "max_queued_requests": 1024}), name="p7")
-    asyncio.run(load("http://127.0.0.1:8765", 64, 5.0, texts, max_tokens))  # warm up: captures the graphs
-    before = replica_loop_times("http://127.0.0.1:8765")
-    http = asyncio.run(load("http://127.0.0.1:8765", 64, seconds, texts, max_tokens))
-    http["decode_loop"] = loop_summary(before, replica_loop_times("http://127.0.0.1:8765"))
+    asyncio.run(load(url, 64, 5.0, texts, max_tokens))  # warm up: captures the graphs
+    before = replica_loop_times(url)
+    http = asyncio.run(load(url, 64, seconds, texts, max_tokens))
+    http["decode_loop"] = loop_summary(before, replica_loop_times(url))
     serve.shutdown()
     ray.shutdown()
     return {

@@ -207,11 +207,10 @@ def refuse_foreign(out: str) -> None:
     """Refuse an ``out`` that holds files raywright did not write (no manifest, no preparation marker)."""
     if not storage.exists(out) or not storage.list_dir(out):
         return
+    if storage.exists(storage.join(out, PREPARING)):
+        return  # a preparation of ours that did not finish
     manifest = storage.read_json_if_exists(storage.join(out, MANIFEST))
-    ours = storage.exists(storage.join(out, PREPARING)) or (
-        manifest is not None and {"seq_len", "tokenizer", "train"} <= set(manifest)
-    )
-    if not ours:
+    if manifest is None or not {"seq_len", "tokenizer", "train"} <= set(manifest):
         raise ConfigError(
             f"data.path: {out} holds files that are not a prepared dataset (no {MANIFEST}); "
             "raywright never overwrites them: give a new or empty directory (data.source is the corpus)"
