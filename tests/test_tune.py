@@ -159,14 +159,18 @@ def test_sweep_resumes_after_its_driver_is_killed_within_its_step_budget(ray_ses
         while len(list(sweep.glob("trials/*/export/config.json"))) < 2:
             assert driver.poll() is None and time.time() < deadline, "the sweep ended or stalled before the kill"
             time.sleep(0.5)
-        finished_before = {p.parts[-3] for p in sweep.glob("trials/*/export/config.json")}
     finally:
         driver.send_signal(signal.SIGKILL)
         driver.wait()
+    # Tune saves the sweep's state every ~10 s: the one it resumes from has the last trial to finish still running.
+    finished_before = [p.parent for p in sweep.glob("trials/*/export/config.json")]  # written last
+    exported_before = {d.parts[-2]: (d / "model.safetensors").stat().st_mtime_ns for d in finished_before}
     result = resume_sweep(str(sweep))
     trials = result.trials
     assert not trials["error"].any()
-    assert finished_before <= set(trials[trials["steps"] == 40]["trial_id"])  # kept, not re-run under new ids
+    assert set(exported_before) <= set(trials[trials["steps"] == 40]["trial_id"])  # kept, not re-run under new ids
+    for trial_id, mtime_ns in exported_before.items():  # nor trained again (a finished trial's checkpoints are gone)
+        assert (sweep / "trials" / trial_id / "export" / "model.safetensors").stat().st_mtime_ns == mtime_ns
     # Two trials run at once: the one that was not the first to cross the budget may add an evaluation.
     assert 120 <= trials["steps"].sum() <= 120 + 2 * 10, trials
     assert Path(result.best_recipe).exists()

@@ -69,6 +69,16 @@ def save_export(
     storage.write_json(storage.join(uri, CONFIG), hf_config(model_config, eot))
 
 
+def final_evaluation(run_uri: str) -> dict[str, Any] | None:
+    """The last step's evaluation of a run that finished (its export is complete: ``config.json`` is written
+    last); None for a run that has not, or whose export predates the record."""
+    uri = export_uri(run_uri)
+    if not storage.exists(storage.join(uri, CONFIG)):
+        return None
+    info = storage.read_json_if_exists(storage.join(uri, PROVENANCE)) or {}
+    return info.get("provenance", {}).get("evaluation")
+
+
 def load_exported(uri: str, dtype: torch.dtype | None = None) -> Exported:
     """The model (in eval mode), tokenizer and provenance of a GPT-2 directory: our export or any other."""
     model = GPT(read_model_config(uri))

@@ -177,6 +177,7 @@ class Trainer:
         self.val_rows = load_split(args["data_path"], "val")[: cfg.run.eval_samples]
         self.order = SampleOrder(len(self.train_rows), cfg.run.seed)
         self.startup["data_s"] = time.time() - mark
+        self.evaluation: dict[str, float] | None = None  # the latest; the export records the last step's
         latest = self._restore()  # sets self.engine, self.grad_accum and self.step
 
         self.policy = StepPolicy(cfg)
@@ -233,7 +234,7 @@ class Trainer:
                 via = f", converted from {latest['world_size']} workers" if universal else ""
                 print(f"resumed from {latest['uri']} at step {self.step} on {world} workers{via}", flush=True)
         else:
-            self._report({"step": 0, **self._evaluate()})
+            self._report(self._evaluate())
         node_ids = [None] * world
         dist.all_gather_object(node_ids, ray.get_runtime_context().get_node_id())
         if self.timeline:
@@ -284,7 +285,15 @@ class Trainer:
         finally:
             if self.sample_log:
                 self.sample_log.close()
-        provenance = {**self.args["provenance"], "step": self.step, "config": self.cfg.to_dict()}
+        if self.evaluation is None or self.evaluation["step"] != self.step:  # resumed from the last step's checkpoint
+            self._evaluate()
+        # The final evaluation, with the export: a sweep trial resumed after it finished reports it, not trains again.
+        provenance = {
+            **self.args["provenance"],
+            "step": self.step,
+            "config": self.cfg.to_dict(),
+            "evaluation": self.evaluation,
+        }
         export_model(self.engine, self.cfg.model, self.tokenizer, export_uri(self.run_uri), provenance)
 
     def _train_step(self) -> tuple[np.ndarray, torch.Tensor, float]:
@@ -341,7 +350,7 @@ class Trainer:
             metrics.update(self._settle_checkpoint(wait=False))
         decision = self.policy.decide(step, *self._notice_and_view(seconds))
         if decision.evaluate:
-            metrics.update(step=step, **self._evaluate())
+            metrics.update(self._evaluate())
         if decision.checkpoint:
             metrics.update(self._checkpoint(decision.checkpoint))
         if metrics:
@@ -483,10 +492,13 @@ class Trainer:
         return {"step": self.step, "checkpoint_failed": pending.uri}
 
     def _evaluate(self) -> dict[str, float]:
+        """The step and its validation metrics, kept as the run's latest evaluation (a collective)."""
         val_loss = evaluate(self.engine, self.val_rows, self.cfg.optim.micro_batch_size)
         if not math.isfinite(val_loss):
             raise self._diverged(f"the validation loss after step {self.step} is {val_loss}")
-        return _val_metrics(val_loss, self.args["tokens_per_byte"])
+        metrics = {"step": self.step, **_val_metrics(val_loss, self.args["tokens_per_byte"])}
+        self.evaluation = {**metrics, "time": time.time()}
+        return metrics
 
     def _report(self, metrics: dict[str, Any]) -> None:
         """Print a progress line from rank 0 and report (every rank reports, in step)."""

@@ -4,7 +4,8 @@ A one-worker trial runs the loop in its own process as a one-rank DeepSpeed job 
 gloo/NCCL group, no Ray Train start-up, which costs ~40 s per trial here). A trial of more workers
 runs a Ray Train DeepSpeed job from its process (Train inside Tune). Either way the trial's run
 directory is named by the trial id, so a trial restarted after its node was lost or pre-empted, or
-after the sweep was restored, resumes from its last checkpoint instead of starting over. A one-worker
+after the sweep was restored, resumes from its last checkpoint instead of starting over (and one that had
+finished reports its final evaluation again). A one-worker
 trial whose node Ray drains for a pre-emption (a spot notice) checkpoints as a training run's workers do:
 at once, and again shortly before the deadline.
 """
@@ -20,7 +21,8 @@ from ray.train import PreemptionInfo
 from ray.tune.integration.ray_train import TuneReportCallback
 
 from train import storage
-from train.launch import build_trainer, loop_args
+from train.export import final_evaluation
+from train.launch import build_trainer, loop_args, run_uri
 from train.loop import train_loop
 from train.process_group import one_process_group
 from tune.config import SweepConfig, override
@@ -97,6 +99,13 @@ def run_trial(params: dict[str, Any], sweep: SweepConfig, data_path: str, manife
     cfg = trial_config(sweep, params, tune.get_context().get_trial_id(), data_path)
     node_id = ray.get_runtime_context().get_node_id()
     start = time.time()
+    finished = final_evaluation(run_uri(cfg))
+    if finished is not None:
+        # It finished after Tune last saved the sweep's state (every ~10 s) and the sweep was interrupted before
+        # the next save. Resumed as unfinished, it reports its final evaluation rather than train again from
+        # scratch (its checkpoints went when it ended), steps the sweep's step budget would count only in part.
+        tune.report(_evaluation(finished, start, node_id))
+        return
     if sweep.on_ray_train:
         build_trainer(cfg, data_path, manifest, callbacks=[_EvaluationsToTune(start, node_id)]).fit()
         return
