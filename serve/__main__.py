@@ -1,16 +1,22 @@
 """python -m serve --checkpoint PATH [--config serve.yaml] [--set key=value ...] [--port 8000]
 
-Serves a training export on a local Ray (or the cluster in RAY_ADDRESS) until interrupted.
+Serves a training export on a local Ray (or the cluster in RAY_ADDRESS) until interrupted (Ctrl-C, or SIGTERM
+as ``kill``, ``docker stop`` and systemd send it), then shuts Serve down.
 On a cluster, deploy serve/deploy.yaml with ``serve deploy`` instead.
 """
 
 import os
+import signal
 import sys
 import time
 
 from serve.config import ServeConfig, load_serve_config
 from train.cli import config_errors_exit_2, config_parser, print_config
 from train.schema import ConfigError
+
+
+def _interrupt(signum: int, frame) -> None:
+    raise KeyboardInterrupt  # SIGTERM stops the server as Ctrl-C does, whatever SIGINT's disposition
 
 
 @config_errors_exit_2
@@ -46,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(address=os.environ.get("RAY_ADDRESS", "local"))
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(build_app(cfg.to_dict()), name="raywright", route_prefix="/")
-    print(f"serving {cfg.checkpoint} at http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
+    print(f"serving {cfg.checkpoint} at http://{args.host}:{args.port}/v1 (Ctrl-C or SIGTERM stops)", flush=True)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         while True:
             time.sleep(3600)

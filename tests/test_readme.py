@@ -4,6 +4,7 @@ A README command that is neither run nor excused fails ``test_every_readme_comma
 so an example cannot rot unnoticed.
 """
 
+import contextlib
 import os
 import re
 import shlex
@@ -132,8 +133,14 @@ def test_readme_commands_run_as_written(tmp_path):
                 assert f"best recipe: {tmp_path}/runs/sweeps/tiny/best-tiny.yaml" in done.stdout
     finally:
         if server is not None:
-            os.killpg(server.pid, signal.SIGINT)
-            server.wait(timeout=60)
+            # SIGTERM (kill, docker stop), not Ctrl-C's SIGINT, which a shell starting pytest in the background
+            # leaves ignored. The server shuts down Serve and the Ray it started.
+            server.send_signal(signal.SIGTERM)
+            try:
+                assert server.wait(timeout=60) == 0  # stopped cleanly (killed by the signal it would be -15)
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(server.pid, signal.SIGKILL)  # whatever it left
     assert (tmp_path / "data" / "mine" / "manifest.json").is_file()
     assert (tmp_path / "runs" / "finetune" / "export" / "model.safetensors").is_file()
     assert (tmp_path / "runs" / "best-tiny" / "export" / "model.safetensors").is_file()

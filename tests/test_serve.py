@@ -232,7 +232,7 @@ def test_python_m_serve_serves_the_openai_client(memorized_export):
             time.sleep(1)
         openai_roundtrip(f"http://127.0.0.1:{port}")
     finally:
-        process.send_signal(signal.SIGINT)
+        process.send_signal(signal.SIGTERM)  # stops it as Ctrl-C does
         try:
             process.wait(timeout=60)
         except subprocess.TimeoutExpired:
