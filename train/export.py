@@ -69,14 +69,16 @@ def save_export(
     storage.write_json(storage.join(uri, CONFIG), hf_config(model_config, eot))
 
 
+def _provenance(uri: str) -> dict[str, Any]:
+    """What ``raywright.json`` in the model directory ``uri`` says of its training; empty where there is none."""
+    return (storage.read_json_if_exists(storage.join(uri, PROVENANCE)) or {}).get("provenance", {})
+
+
 def final_evaluation(run_uri: str) -> dict[str, Any] | None:
     """The last step's evaluation of a run that finished (its export is complete: ``config.json`` is written
     last); None for a run that has not, or whose export predates the record."""
     uri = export_uri(run_uri)
-    if not storage.exists(storage.join(uri, CONFIG)):
-        return None
-    info = storage.read_json_if_exists(storage.join(uri, PROVENANCE)) or {}
-    return info.get("provenance", {}).get("evaluation")
+    return _provenance(uri).get("evaluation") if storage.exists(storage.join(uri, CONFIG)) else None
 
 
 def load_exported(uri: str, dtype: torch.dtype | None = None) -> Exported:
@@ -85,8 +87,7 @@ def load_exported(uri: str, dtype: torch.dtype | None = None) -> Exported:
     load_weights(model, uri)
     if dtype is not None:
         model.to(dtype)
-    info = storage.read_json_if_exists(storage.join(uri, PROVENANCE)) or {}
-    provenance = info.get("provenance", {})
+    provenance = _provenance(uri)
     run_name = provenance.get("config", {}).get("run", {}).get("name")
     name = run_name or PurePosixPath(uri.rstrip("/")).name
     return Exported(model.eval(), load_tokenizer(uri), name, provenance)
