@@ -19,7 +19,8 @@ class ServeConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where replicas run the model; auto = a GPU if the replica has one."""
     cuda_graphs: bool = True
-    """On a GPU, replay each decode shape as a captured CUDA graph; false runs the decode step eagerly."""
+    """On a GPU, replay each decode shape and each small prefill shape as a captured CUDA graph; false runs
+    them eagerly."""
     compile: bool | Literal["auto"] = "auto"
     """torch.compile the decode step when the replica starts (seconds); auto = on a GPU. On a CPU it gave
     1.4-2.0x the tokens/s at batch 1 and 0.9-1.3x at 64 (BENCHMARKS.md, P7), for a slower start."""

@@ -16,10 +16,12 @@ span) is captured once as a CUDA graph and replayed: a small model's decode step
 bound by the time the host takes to launch its hundreds of kernels. Inside a graph, a small model's step
 at batch 1 still takes about as long as it has kernels, so on a GPU the step is also ``torch.compile``d
 first: the compiler fuses each layer's norms, bias adds, GELU, residual adds and cache writes into a few
-kernels.
+kernels. Small prefills are launch-bound in the same way (one 32-byte prompt: ~270 kernels, 9 ms on an
+H200 of which 0.8 ms on the GPU), so those too replay a graph per (batch, width) bucket on a GPU.
 """
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Literal
 
@@ -34,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 # The shortest span a decode step attends over: shorter ones would only add shapes.
 MIN_SPAN = 16
+# Prefills up to this many tokens (batch times width, each rounded up to a power of two) replay CUDA graphs;
+# larger ones are bound by compute, where the padding would cost more than launching saves.
+GRAPHED_PREFILL_TOKENS = 8192
 
 
 def span_bucket(length: int, context: int) -> int:
@@ -77,7 +82,10 @@ class Decoder:
         self.step = self.decode_span
         if compile is True or (compile == "auto" and device.type == "cuda"):
             self.step = _compiled(self)
-        self.graphs = _DecodeGraphs(self) if cuda_graphs and device.type == "cuda" else None
+        graphed = cuda_graphs and device.type == "cuda"
+        captured = _CapturedSteps() if graphed else None
+        self.decode_graphs = _DecodeGraphs(self, captured) if captured else None
+        self.prefill_graphs = _PrefillGraphs(self, captured) if captured else None
 
     @torch.inference_mode()
     def prefill(self, slots: list[int], prompts: list[list[int]], every_position: list[bool]) -> list[torch.Tensor]:
@@ -87,16 +95,26 @@ class Decoder:
         ``every_position`` those (len(prompt), vocab) after each of its positions.
         """
         lengths = [len(prompt) for prompt in prompts]
-        width = max(lengths)
-        tokens = torch.tensor([prompt + [0] * (width - len(prompt)) for prompt in prompts], device=self.device)
-        cache = _PrefillCache(self, torch.tensor(slots, device=self.device), width)
-        hidden = self.model.hidden_states(tokens, torch.arange(width, device=self.device), cache)
-        ends = torch.tensor(lengths, device=self.device) - 1
-        last = self.head(hidden[torch.arange(len(prompts), device=self.device), ends]).float()
+        if self.prefill_graphs is not None and not any(every_position):
+            last = self.prefill_graphs.prefill(slots, prompts)
+            if last is not None:
+                return list(last.split(1))
+        inputs = padded_prompts(slots, prompts, len(prompts), max(lengths))
+        hidden, last = self.prefill_pass(*(tensor.to(self.device) for tensor in inputs))
         return [
             self.head(hidden[i, :length]).float() if every else last[i : i + 1]
             for i, (length, every) in enumerate(zip(lengths, every_position, strict=True))
         ]
+
+    def prefill_pass(
+        self, tokens: torch.Tensor, slots: torch.Tensor, ends: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``prefill`` of device tensors: prompts ``tokens`` (batch, width) into cache ``slots``; returns their
+        hidden states and the logits (batch, vocab) after each one's position ``ends``."""
+        width = tokens.shape[1]
+        cache = _PrefillCache(self, slots, width)
+        hidden = self.model.hidden_states(tokens, torch.arange(width, device=self.device), cache)
+        return hidden, self.head(hidden[torch.arange(len(slots), device=self.device), ends]).float()
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
@@ -105,8 +123,8 @@ class Decoder:
         Returns the logits (B, vocab) for each sequence's next token.
         """
         span = span_bucket(max(positions) + 1, self.cfg.seq_len)
-        if self.graphs is not None:
-            return self.graphs.decode(tokens, positions, span)
+        if self.decode_graphs is not None:
+            return self.decode_graphs.decode(tokens, positions, span)
         return self.step(torch.tensor(tokens, device=self.device), torch.tensor(positions, device=self.device), span)
 
     def decode_span(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
@@ -136,6 +154,7 @@ def _compiled(decoder: Decoder) -> Callable[[torch.Tensor, torch.Tensor, int], t
     # variants it would run the step uncompiled without a word.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     step = torch.compile(decoder.decode_span, dynamic=True)
+    start = time.perf_counter()
     try:
         with torch.inference_mode():
             for batch in sorted({1, min(2, decoder.max_batch)}):
@@ -144,7 +163,8 @@ def _compiled(decoder: Decoder) -> Callable[[torch.Tensor, torch.Tensor, int], t
     except RuntimeError:  # the compiler's errors are RuntimeErrors (torch._dynamo.exc.BackendCompilerFailed)
         logger.exception("the decode step cannot be compiled; decoding uncompiled")
         return decoder.decode_span
-    logger.info("compiled the decode step")
+    # A replica's start waits for it: the log says how long.
+    logger.info("compiled the decode step in %.1f s", time.perf_counter() - start)
     return step
 
 
@@ -190,48 +210,29 @@ class _DecodeCache:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask)
 
 
-class _DecodeGraphs:
-    """The decode step on a GPU as CUDA graphs, one per (batch bucket, span bucket), captured on first use.
+class _CapturedSteps:
+    """Steps on a GPU captured as CUDA graphs on first use, one per key (what the step is, and its shapes).
 
-    A graph reads its tokens and positions from fixed input buffers and writes fixed output buffers.
-    Rows beyond the live batch are padding: they write position 0 of free slots, which a prefill
-    overwrites before any sequence reads it.
+    A graph reads fixed input buffers and writes a fixed output, which the next replay of any of these graphs
+    may overwrite: they replay one at a time and share one memory pool.
     """
 
-    def __init__(self, decoder: Decoder):
-        self.decoder = decoder
-        # Inference tensors, as the eager step's inputs are: the compiled step would otherwise compile again.
-        with torch.inference_mode():
-            self.tokens = torch.zeros(decoder.max_batch, dtype=torch.long, device=decoder.device)
-            self.positions = torch.zeros(decoder.max_batch, dtype=torch.long, device=decoder.device)
-        self.captured: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = torch.cuda.graph_pool_handle()  # the graphs replay one at a time, so they share memory
+    def __init__(self):
+        self.captured: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
 
-    def decode(self, tokens: list[int], positions: list[int], span: int) -> torch.Tensor:
-        batch = len(tokens)
-        padded = batch_bucket(batch, self.decoder.max_batch)
-        padding = [0] * (padded - batch)
-        self.tokens[:padded].copy_(torch.tensor(tokens + padding))
-        self.positions[:padded].copy_(torch.tensor(positions + padding))
-        key = (padded, span)
+    def replay(self, key: tuple, step: Callable[[], torch.Tensor]) -> torch.Tensor:
         if key not in self.captured:
-            try:
-                self.captured[key] = self._capture(padded, span)
-            except RuntimeError:  # e.g. a quantized kernel that syncs with the host: serve, eagerly
-                logger.exception("the decode step cannot be captured as a CUDA graph; decoding eagerly from now on")
-                self.decoder.graphs = None
-                return self.decoder.step(self.tokens[:batch], self.positions[:batch], span)
-        graph, logits = self.captured[key]
+            self.captured[key] = self._capture(step)
+            logger.info("captured %s as a CUDA graph", key)
+        graph, output = self.captured[key]
         graph.replay()
-        return logits[:batch].clone()  # the next replay overwrites the graph's output
+        return output
 
-    def _capture(self, batch: int, span: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        def step() -> torch.Tensor:
-            return self.decoder.step(self.tokens[:batch], self.positions[:batch], span)
-
+    def _capture(self, step: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # One eager run on a side stream first, as PyTorch's CUDA graph recipe does: lazy initialization
-        # (cuBLAS workspaces, quantized kernels' setup) must not happen inside the capture. It computes
-        # the same keys and values that the replay then writes again.
+        # (cuBLAS workspaces, quantized kernels' setup) must not happen inside the capture. It writes the
+        # same keys and values into the cache that the replay then writes again.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -239,6 +240,88 @@ class _DecodeGraphs:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = step()
-        logger.info("captured the decode step for batch %d, span %d as a CUDA graph", batch, span)
-        return graph, logits
+            output = step()
+        return graph, output
+
+
+class _DecodeGraphs:
+    """The decode step on a GPU as CUDA graphs, one per (batch bucket, span bucket).
+
+    Rows beyond the live batch are padding: they write position 0 of free slots, which a prefill
+    overwrites before any sequence reads it.
+    """
+
+    def __init__(self, decoder: Decoder, captured: _CapturedSteps):
+        self.decoder, self.captured = decoder, captured
+        # Inference tensors, as the eager step's inputs are: the compiled step would otherwise compile again.
+        with torch.inference_mode():
+            self.tokens = torch.zeros(decoder.max_batch, dtype=torch.long, device=decoder.device)
+            self.positions = torch.zeros(decoder.max_batch, dtype=torch.long, device=decoder.device)
+
+    def decode(self, tokens: list[int], positions: list[int], span: int) -> torch.Tensor:
+        batch = len(tokens)
+        padded = batch_bucket(batch, self.decoder.max_batch)
+        padding = [0] * (padded - batch)
+        self.tokens[:padded].copy_(torch.tensor(tokens + padding))
+        self.positions[:padded].copy_(torch.tensor(positions + padding))
+
+        def step() -> torch.Tensor:
+            return self.decoder.step(self.tokens[:padded], self.positions[:padded], span)
+
+        try:
+            logits = self.captured.replay(("decode", padded, span), step)
+        except RuntimeError:  # e.g. a quantized kernel that syncs with the host: serve, eagerly
+            logger.exception("the decode step cannot be captured as a CUDA graph; decoding eagerly from now on")
+            self.decoder.decode_graphs = None
+            return self.decoder.step(self.tokens[:batch], self.positions[:batch], span)
+        return logits[:batch].clone()  # the next replay overwrites the graph's output
+
+
+def padded_prompts(
+    slots: list[int], prompts: list[list[int]], batch: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A prefill's inputs, ``batch`` rows of ``width`` tokens: the prompts right-padded with zeros, their slots, and
+    the position of each one's last token. Rows beyond the prompts repeat the first prompt, slot included: they
+    compute its keys and values again and write the same into its slot.
+    """
+    rows = prompts + [prompts[0]] * (batch - len(prompts))
+    tokens = torch.tensor([row + [0] * (width - len(row)) for row in rows])
+    ends = torch.tensor([len(row) - 1 for row in rows])
+    return tokens, torch.tensor(slots + [slots[0]] * (batch - len(prompts))), ends
+
+
+class _PrefillGraphs:
+    """Prefills of up to ``GRAPHED_PREFILL_TOKENS`` on a GPU as CUDA graphs, one per (batch bucket, width bucket).
+
+    A prompt padded past its length (to the bucket's width, as an eager prefill pads it to the longest
+    prompt) writes keys and values past it in its slot, which decode steps overwrite before reading.
+    """
+
+    def __init__(self, decoder: Decoder, captured: _CapturedSteps):
+        self.decoder, self.captured = decoder, captured
+        max_batch, context = decoder.max_batch, decoder.cfg.seq_len
+        self.tokens = torch.zeros((max_batch, context), dtype=torch.long, device=decoder.device)
+        self.slots = torch.zeros(max_batch, dtype=torch.long, device=decoder.device)
+        self.ends = torch.zeros(max_batch, dtype=torch.long, device=decoder.device)
+
+    def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor | None:
+        """The logits (len(prompts), vocab) after each prompt, or None where this prefill is not graphed."""
+        batch = batch_bucket(len(prompts), self.decoder.max_batch)
+        width = span_bucket(max(len(prompt) for prompt in prompts), self.decoder.cfg.seq_len)
+        if batch * width > GRAPHED_PREFILL_TOKENS:
+            return None
+        tokens, prompt_slots, ends = padded_prompts(slots, prompts, batch, width)
+        self.tokens[:batch, :width].copy_(tokens)
+        self.slots[:batch].copy_(prompt_slots)
+        self.ends[:batch].copy_(ends)
+
+        def step() -> torch.Tensor:
+            return self.decoder.prefill_pass(self.tokens[:batch, :width], self.slots[:batch], self.ends[:batch])[1]
+
+        try:
+            logits = self.captured.replay(("prefill", batch, width), step)
+        except RuntimeError:
+            logger.exception("a prefill cannot be captured as a CUDA graph; prefilling eagerly from now on")
+            self.decoder.prefill_graphs = None
+            return None
+        return logits[: len(prompts)].clone()

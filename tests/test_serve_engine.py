@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from serve.decoder import Decoder, span_bucket
+from serve.decoder import Decoder, padded_prompts, span_bucket
 from serve.engine import GENERATION_FAILED, Chunk, ContinuousBatcher, Engine, GenerationParams, Sequence, joined
 from serve.precision import EXACT_FLOAT32_K, Int8Linear, apply_precision, int8_matmul
 from serve.sampling import apply_penalties, make_generator, token_logprob
@@ -126,6 +126,50 @@ def test_padding_rows_of_a_captured_decode_shape_change_no_live_sequence():
     assert torch.equal(padded.decode([*tokens, 7], [p + 1 for p in positions] + [len(late)])[3:], expected)
 
 
+def test_a_prefill_padded_to_its_graph_shape_gives_each_prompt_its_own_logits_and_cache():
+    """What the prefill's CUDA graphs rely on, checked on the CPU: three prompts padded to a batch of 4 (the
+    extra row repeats the first prompt, into its slot) and to a width of 16 give each prompt the logits and
+    the cache of an unpadded prefill, and the decoding after it is the same."""
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(seq_len=32, n_layer=2, n_head=2, d_model=32)).eval()
+    prompts = [[5, 6, 7, 8], [200, 201], [9, 10, 11, 12, 13]]
+    padded, plain = (Decoder(model, max_batch=4, precision="int8") for _ in range(2))
+    expected = torch.cat(plain.prefill([2, 0, 1], prompts, [False] * 3))
+    inputs = padded_prompts([2, 0, 1], prompts, batch=4, width=16)
+    assert inputs[0].shape == (4, 16) and inputs[1].tolist() == [2, 0, 1, 2]
+    with torch.inference_mode():
+        _, logits = padded.prefill_pass(*inputs)
+    assert torch.equal(logits[:3], expected)
+    for slot, prompt in zip([2, 0, 1], prompts, strict=True):
+        for cache in ("keys", "values"):
+            assert torch.equal(
+                getattr(padded, cache)[:, slot, :, : len(prompt)], getattr(plain, cache)[:, slot, :, : len(prompt)]
+            )
+    tokens, positions = [1, 2, 3], [len(prompts[1]), len(prompts[2]), len(prompts[0])]
+    assert torch.equal(padded.decode(tokens, positions), plain.decode(tokens, positions))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graphed_prefills_and_decode_steps_give_the_eager_logits_on_a_gpu():
+    """Prefills of 3, then 1 prompt and decode steps replayed as CUDA graphs ÷ the same run eagerly, fp32."""
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(seq_len=64, n_layer=2, n_head=2, d_model=32)).eval()
+    graphed, eager = (Decoder(model, 4, "fp32", "cuda", cuda_graphs=g, compile=False) for g in (True, False))
+    assert graphed.prefill_graphs is not None and eager.prefill_graphs is None
+    prompts = [[5, 6, 7, 8], [200, 201], [9, 10, 11]]
+    for slots, batch in (([0, 1, 2], prompts), ([3], [[42, 43, 44, 45, 46]])):
+        got, expected = (torch.cat(d.prefill(slots, batch, [False] * len(batch))) for d in (graphed, eager))
+        assert torch.allclose(got, expected, atol=1e-4)
+    tokens, positions = [1, 2, 3, 4], [4, 2, 3, 5]
+    for _ in range(20):  # spans 16 and 32
+        got, expected = graphed.decode(tokens, positions), eager.decode(tokens, positions)
+        assert torch.allclose(got, expected, atol=1e-4)
+        tokens, positions = expected.argmax(-1).tolist(), [p + 1 for p in positions]
+    # Neither fell back to running eagerly (as each does where a capture fails).
+    assert graphed.prefill_graphs is not None and graphed.decode_graphs is not None
+
+
 @pytest.mark.parametrize("precision, tolerance", [("fp32", 1e-5), ("int8", 1e-3)])
 def test_the_compiled_decode_step_gives_the_uncompiled_logits_and_cache(precision, tolerance):
     """The step ``compile`` serves (on a GPU by default), checked on the CPU: batches of 3 and then 1 (the
@@ -235,10 +279,9 @@ def test_stop_sequences_and_max_tokens(memorized_export):
 def test_continuous_batching_gives_each_request_its_text_alone(memorized_export, device, precision, compile):
     """Greedy and seeded sampled requests arriving at random times, joining and leaving a shared batch."""
     params = [GenerationParams(max_tokens=10 + 7 * i, temperature=0.0 if i % 2 else 0.8, seed=i) for i in range(8)]
-    alone = [
-        make_engine(memorized_export, precision, 1, device, compile).run_batch([Sequence(encode(p), q)])[0]
-        for p, q in zip(PROMPTS, params, strict=True)
-    ]
+    # One engine of as many slots for every request alone: on a GPU its compiled step and graphs are reused.
+    single = make_engine(memorized_export, precision, 4, device, compile)
+    alone = [single.run_batch([Sequence(encode(p), q)])[0] for p, q in zip(PROMPTS, params, strict=True)]
     assert PROMPTS[1] + alone[1] in MEMORIZED_TEXT * 3  # greedy recites: the comparison below is not of noise
     engine = make_engine(memorized_export, precision, 4, device, compile)  # fewer slots than requests
     batch_sizes = []
