@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Issue 10's checks on one GPU. Each part fits a 10-minute call on an H100; several run one after another,
 # each cut at its own limit in seconds where one is given, so that one call can try them all:
-#   bash bench/gpu_checks.sh PART[:SECONDS] ...     PART: tests|tests-serve|p7|p7-quant|p3|p3-medium|p1|zero|ppl
+#   bash bench/gpu_checks.sh PART[:SECONDS] ...     PART: tests|tests-serve|p7|p7-http|p7-quant|p3|p3-medium|p1|zero|ppl
 # Seen on an H200 (2026-11-26), the machine's start ~30 s: p7 under 140 s; p3 ~220 s (its bare loops
 # come last); tests ~270 s (the serving ones 17 s, each training one ~55 s, 4 ZeRO stages); p1 over 180 s.
-# Since then serving compiles its decode step on a GPU (a few compilations per precision and engine size,
-# not timed there yet): give p7 and the serving tests more.
+# Since then serving compiles its decode step on a GPU; seen on an H200 (2026-11-26, second lease): p7's
+# engine part (bf16, with --profile) ~200 s, then its Serve replica took over 50 s to start, so p7 needs
+# over 300 s; no serving test finished within 150 s (each precision compiles its step; the tests now
+# build fewer engines); ppl's 150 training steps ~100 s with the dataset, its 3 precisions over 60 s more.
+# p7-http measures HTTP ÷ the engine alone; the logs now time each compilation and the replica's start.
 # For the lent GPU machine first run, here,
 #   SERVE=1 EXTRA_WHEELS="torchao==0.18.0 pytest pluggy iniconfig pygments psutil" ../shared/gpu/bundle.sh
 # (62 MB, under the 64 MiB a call may carry) and carry .gpu-wheels along: this script installs them (that
@@ -26,16 +29,17 @@ run() {  # run NAME COMMAND...: the command's output to $out/NAME.log, its last 
   local name=$1; shift
   "$@" > "$out/$name.log" 2>&1
   echo "== $name (exit $?)"
-  tail -n 40 "$out/$name.log" | grep -E '^\s*"(P[0-9]|gpu|tokens_per_s|bare|raywright|zero_stage|micro|compiled|perplexity)|passed|failed|error' || tail -n 5 "$out/$name.log"
+  tail -n 40 "$out/$name.log" | grep -E '^\s*"(P[0-9]|gpu|tokens_per_s|bare|raywright|zero_stage|micro|compiled|perplexity|replica)|passed|failed|PASSED|FAILED|error' || tail -n 5 "$out/$name.log"
 }
 
 part() {  # part NAME: one of the checks
 case $1 in
   # Only the files that hold gpu tests: the others import what the GPU machine lacks (optuna, moto, ...).
-  tests) run gpu_tests python -m pytest -m gpu -q -rf --durations=10 --failures-at-once -p no:cacheprovider tests/test_training.py tests/test_serve_engine.py ;;
-  tests-serve) run gpu_serve_tests python -m pytest -m gpu -q -rf --durations=10 -p no:cacheprovider tests/test_serve_engine.py ;;
+  tests) run gpu_tests python -m pytest -m gpu -v -rf --durations=10 --failures-at-once -p no:cacheprovider tests/test_training.py tests/test_serve_engine.py ;;
+  tests-serve) run gpu_serve_tests python -m pytest -m gpu -v -rf --durations=10 -p no:cacheprovider tests/test_serve_engine.py ;;
   # bf16 (the GPU default) alone, then the quantized precisions: each precision compiles its decode step.
   p7) run p7 python bench/p7_serving.py --seconds 10 --profile --precisions bf16 ;;
+  p7-http) run p7_http python bench/p7_serving.py --seconds 10 --precisions bf16 --http-only ;;
   p7-quant) run p7_quant python bench/p7_serving.py --precisions int8,fp8 --no-http ;;
   p3) run p3_small python bench/p3_mfu.py --steps 20 ;;
   p3-medium) run p3_medium python bench/p3_mfu.py --config medium --steps 20 ;;
@@ -54,7 +58,7 @@ case $1 in
       --set scaling.num_workers=1 --set optim.micro_batch_size=8 --set optim.global_batch_size=32 --set run.compile=false
     grep -A 20 "profile of steps" "$out/zero.log" | sed -E 's/^.*\(RayTrainWorker[^)]*\)[^ ]* //' | cut -c1-150
     grep -E '"(zero[0-3]|raywright_over_hf_auto)"|^ +[0-9.]+,?$' "$out/zero.log" ;;
-  *) echo "usage: bash bench/gpu_checks.sh PART[:SECONDS] ...  (PART: tests|tests-serve|p7|p7-quant|p3|p3-medium|p1|zero|ppl)" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_checks.sh PART[:SECONDS] ...  (PART: tests|tests-serve|p7|p7-http|p7-quant|p3|p3-medium|p1|zero|ppl)" >&2; exit 2 ;;
 esac
 }
 

@@ -1,7 +1,7 @@
 """P7: serving engine tokens/s at batch 1 / 32 / 64 on a GPU, per precision; through HTTP at 64 clients ÷ the engine.
 
-    python bench/p7_serving.py [--checkpoint EXPORT] [--precisions bf16,int8,fp8] [--no-http] [--profile]
-                               [--perplexity-only]
+    python bench/p7_serving.py [--checkpoint EXPORT] [--precisions bf16,int8,fp8] [--profile]
+                               [--no-http | --http-only | --perplexity-only]
 
 Needs a GPU (``--device cpu`` runs the same measurements on a CPU, slowly: ``--set`` a smaller shape).
 Without --checkpoint it exports an untrained GPT of the ``small`` recipe's shape (128.6M params,
@@ -16,7 +16,7 @@ HTTP: one Serve replica of the same export and precision, 64 closed-loop clients
 ÷ the continuous-batching engine in-process with 64 requests in flight for as long, after the same
 5 s warm-up (serve_load.py's load generator and engine loop); for both, where the decode loop's time
 went (per step: in the engine's step, and in the loop's turnaround; the share of prefilling; prompts per
-prefill), the replica's from its /ready. Prints a JSON report.
+prefill), the replica's from its /ready; and how long the replica took to start. Prints a JSON report.
 ``--profile`` adds where the time goes at batch 1 and 64 (first precision), for a steady decode step and
 for the prefill of one prompt: wall time, GPU kernels and their summed time (the rest: the GPU idle while
 the host works), and the costliest kernels.
@@ -25,6 +25,7 @@ the host works), and the costliest kernels.
 import argparse
 import asyncio
 import json
+import logging
 import tempfile
 import time
 import urllib.request
@@ -121,16 +122,20 @@ def profiled(work: Callable[[], object], repeats: int, device: str) -> dict:
 
 
 def decode_profile(export: str, precision: str, device: str, batch: int, steps: int = 20) -> dict:
-    """Where the time goes at ``batch``: a steady decode step (its CUDA graph replayed), and the eager prefill
-    of one 32-byte prompt, which each step that admits a request arriving alone runs (as HTTP's do)."""
+    """Where the time goes at ``batch``: a steady decode step (its CUDA graph replayed), and the prefill of one
+    32-byte prompt, which each step that admits a request arriving alone runs (as HTTP's do)."""
     engine, requests = warm_engine(export, precision, device, batch, 64 + steps)
     engine.step(requests())
     engine.step([])
     prompt = requests()[0].prompt
+
+    def prefill() -> None:  # into slot 0, over a live sequence's cache: the texts are not looked at any more
+        engine.decoder.prefill([0], [prompt], [False])
+
+    prefill()  # on a GPU: captures its graph
     return {
         "decode_step": profiled(lambda: engine.step([]), steps, device),
-        # Into slot 0, over a live sequence's cache: the texts are not looked at any more.
-        "prefill_of_one_prompt": profiled(lambda: engine.decoder.prefill([0], [prompt], [False]), 10, device),
+        "prefill_of_one_prompt": profiled(prefill, 10, device),
     }
 
 
@@ -149,7 +154,10 @@ def http_over_engine(export: str, precision: str, device: str, seconds: float, m
     url = f"http://{host}:{port}"
     serve.start(http_options={"host": host, "port": port})
     config = {"checkpoint": export, "precision": precision, "device": device, "max_batch_size": 64}
+    start = time.perf_counter()
     serve.run(build_app({**config, "max_ongoing_requests": 64, "max_queued_requests": 1024}), name="p7")
+    replica_start_s = time.perf_counter() - start  # on a GPU, with the decode step's compilation
+    print(f"the replica was ready in {replica_start_s:.1f} s", flush=True)
     asyncio.run(load(url, 64, 5.0, texts, max_tokens))  # warm up: captures the graphs
     before = replica_loop_times(url)
     http = asyncio.run(load(url, 64, seconds, texts, max_tokens))
@@ -157,6 +165,7 @@ def http_over_engine(export: str, precision: str, device: str, seconds: float, m
     serve.shutdown()
     ray.shutdown()
     return {
+        "replica_start_s": replica_start_s,
         "engine_requests_per_s_64": engine,
         "engine_decode_loop": engine_loop,
         "http": http,
@@ -202,12 +211,16 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--seconds", type=float, default=20.0, help="duration of each HTTP / engine load")
-    parser.add_argument("--no-http", action="store_true", help="skip the Serve measurement")
     parser.add_argument("--profile", action="store_true", help="where a decode step's time goes, at batch 1 and 64")
-    parser.add_argument(
+    parts = parser.add_mutually_exclusive_group()
+    parts.add_argument("--no-http", action="store_true", help="skip the Serve measurement")
+    parts.add_argument("--http-only", action="store_true", help="only HTTP ÷ the engine (first precision)")
+    parts.add_argument(
         "--perplexity-only", action="store_true", help="only each precision's perplexity (a trained --checkpoint)"
     )
     args = parser.parse_args()
+    # With times, for where a run's time goes: the decoder logs its compilation and each graph it captures.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     precisions = args.precisions.split(",")
 
     if args.checkpoint:
@@ -220,9 +233,9 @@ def main() -> None:
     report: dict = {"model": vars(exported.model.cfg), "params": exported.model.num_params(), "device": args.device}
     if args.device == "cuda":
         report["gpu"] = torch.cuda.get_device_name()
-    if not args.perplexity_only:
+    if not (args.http_only or args.perplexity_only):
         report.update(engine_report(export, precisions, args))
-    if exported.provenance:
+    if exported.provenance and not args.http_only:
         val = load_split(dataset_path(config_from_dict(exported.provenance["config"])), "val")[:32][:, :256]
         ppl = {precision: perplexity(export, precision, val, args.device) for precision in precisions}
         report["perplexity"] = ppl
