@@ -24,6 +24,7 @@ from train.schema import ConfigError
 from tune.__main__ import main as tune_main
 from tune.config import SWEEP_DIR, load_sweep_config, sweep_config_from_dict
 from tune.sweep import SweepResult, resume_sweep, run_sweep
+from tune.trial import ENDED, ended_evaluation
 
 REPO = Path(__file__).resolve().parent.parent
 SPACE = {
@@ -117,6 +118,14 @@ def test_notebook_sweep_stops_trials_early_runs_them_concurrently_and_its_best_r
     for plot in ("optimization_history.png", "anytime.png", "parameter_importances.png", "asha_rungs.png"):
         assert (sweep / plot).stat().st_size > 1000
     assert_ended_trials_left_no_checkpoints(sweep)
+    # Each trial, stopped by ASHA or not, recorded the evaluation it ended with: one that a resumed sweep's
+    # state (saved up to ~10 s earlier) still has running reports it rather than train again from scratch.
+    for trial in trials.to_dict("records"):
+        run = str(sweep / "trials" / trial["trial_id"])
+        ended = ended_evaluation(run)
+        assert ended["step"] == trial["steps"] and ended["val_loss"] == pytest.approx(trial["val_loss"])
+        if trial["stopped_early"]:
+            assert ended == json.loads((Path(run) / ENDED).read_text())  # it has no export to tell it
     # A trial that ASHA let reach its last step finished it: its export is there beside the sweep's results.
     for trial_id in trials[~trials["stopped_early"]]["trial_id"]:
         assert (sweep / "trials" / trial_id / "export" / "model.safetensors").exists()

@@ -35,7 +35,7 @@ from tune.config import SweepConfig, sweep_config_from_dict, tune_space
 from tune.plots import save_plots
 from tune.progress import NotebookProgress, in_notebook
 from tune.search import ExploringTPESampler, StepAwareOptunaSearch
-from tune.trial import run_trial, sweep_dir, trial_config, trials_dir
+from tune.trial import record_ended, run_trial, sweep_dir, trial_config, trials_dir
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +120,10 @@ class DropEndedTrialCheckpoints(Callback):
 
     def on_trial_complete(self, iteration: int, trials: list[Trial], trial: Trial, **info) -> None:
         self.ended.add(trial.trial_id)
+        try:  # before its checkpoints go: a sweep resumed from a state saved before now must not train it again
+            record_ended(self._run(trial.trial_id), trial.last_result)
+        except OSError as exc:
+            logger.warning("could not record that trial %s ended: %s", trial.trial_id, exc)
         self._drop(trial.trial_id)
 
     def on_experiment_end(self, trials: list[Trial], **info) -> None:
@@ -131,9 +135,12 @@ class DropEndedTrialCheckpoints(Callback):
         for trial_id in sorted(self.ended):
             self._drop(trial_id)  # again: a stopped trial's process may have written one after it ended
 
+    def _run(self, trial_id: str) -> str:
+        return storage.join(trials_dir(self.sweep), trial_id)
+
     def _drop(self, trial_id: str) -> None:
         try:
-            checkpoint.prune(storage.join(trials_dir(self.sweep), trial_id), keep_last=0)
+            checkpoint.prune(self._run(trial_id), keep_last=0)
         except OSError as exc:  # never fail a trial or the sweep over it; the sweep's end tries again
             logger.warning("could not delete the checkpoints of ended trial %s: %s", trial_id, exc)
 

@@ -5,7 +5,7 @@ gloo/NCCL group, no Ray Train start-up, which costs ~40 s per trial here). A tri
 runs a Ray Train DeepSpeed job from its process (Train inside Tune). Either way the trial's run
 directory is named by the trial id, so a trial restarted after its node was lost or pre-empted, or
 after the sweep was restored, resumes from its last checkpoint instead of starting over (and one that had
-finished reports its final evaluation again). A one-worker
+ended, finished or stopped by ASHA, reports the evaluation it ended with again). A one-worker
 trial whose node Ray drains for a pre-emption (a spot notice) checkpoints as a training run's workers do:
 at once, and again shortly before the deadline.
 """
@@ -51,6 +51,22 @@ def sweep_dir(sweep: SweepConfig) -> str:
 def trials_dir(sweep: SweepConfig) -> str:
     """Where the trials' training runs are, each named by its trial id."""
     return storage.join(sweep_dir(sweep), "trials")
+
+
+# In a trial's run directory: the evaluation the trial ended with, written when Tune ends it for good.
+ENDED = "ended.json"
+
+
+def record_ended(run: str, last_result: dict) -> None:
+    """Note in a trial's run directory ``run`` that it ended for good (finished, or stopped by ASHA) with
+    ``last_result``."""
+    if "val_loss" in last_result:
+        storage.write_json(storage.join(run, ENDED), {key: last_result[key] for key in ("step", "val_loss", "time")})
+
+
+def ended_evaluation(run: str) -> dict | None:
+    """The evaluation that the trial of run directory ``run`` ended with, or None if it has not ended."""
+    return final_evaluation(run) or storage.read_json_if_exists(storage.join(run, ENDED))
 
 
 def _evaluation(metrics: dict, start: float, node_id: str) -> dict | None:
@@ -99,12 +115,12 @@ def run_trial(params: dict[str, Any], sweep: SweepConfig, data_path: str, manife
     cfg = trial_config(sweep, params, tune.get_context().get_trial_id(), data_path)
     node_id = ray.get_runtime_context().get_node_id()
     start = time.time()
-    finished = final_evaluation(run_uri(cfg))
-    if finished is not None:
-        # It finished after Tune last saved the sweep's state (every ~10 s) and the sweep was interrupted before
-        # the next save. Resumed as unfinished, it reports its final evaluation rather than train again from
-        # scratch (its checkpoints went when it ended), steps the sweep's step budget would count only in part.
-        tune.report(_evaluation(finished, start, node_id))
+    ended = ended_evaluation(run_uri(cfg))
+    if ended is not None:
+        # It ended after Tune last saved the sweep's state (every ~10 s) and the sweep was interrupted before
+        # the next save. Resumed as unfinished, it reports the evaluation it ended with rather than train again
+        # from scratch (its checkpoints went when it ended), steps the sweep's step budget would count only in part.
+        tune.report(_evaluation(ended, start, node_id))
         return
     if sweep.on_ray_train:
         build_trainer(cfg, data_path, manifest, callbacks=[_EvaluationsToTune(start, node_id)]).fit()
