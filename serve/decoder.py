@@ -82,8 +82,7 @@ class Decoder:
         self.step = self.decode_span
         if compile is True or (compile == "auto" and device.type == "cuda"):
             self.step = _compiled(self)
-        graphed = cuda_graphs and device.type == "cuda"
-        captured = _CapturedSteps() if graphed else None
+        captured = _CapturedSteps() if cuda_graphs and device.type == "cuda" else None
         self.decode_graphs = _DecodeGraphs(self, captured) if captured else None
         self.prefill_graphs = _PrefillGraphs(self, captured) if captured else None
 
