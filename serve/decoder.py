@@ -76,7 +76,9 @@ class Decoder:
         )
         self.dtype = dtype or torch.float32
         head_dim = cfg.d_model // cfg.n_head
-        shape = (cfg.n_layer, max_batch, cfg.n_head, cfg.seq_len, head_dim)
+        # One spare position, never read: no span is then the whole cache, whose slice the compiler treats as a
+        # case of its own (contiguous), so that a step attending over the full context would be compiled again.
+        shape = (cfg.n_layer, max_batch, cfg.n_head, cfg.seq_len + 1, head_dim)
         self.keys = torch.zeros(shape, dtype=self.dtype, device=device)
         self.values = torch.zeros(shape, dtype=self.dtype, device=device)
         self.step = self.decode_span
