@@ -9,6 +9,9 @@
 # over 300 s; no serving test finished within 150 s (each precision compiles its step; the tests now
 # build fewer engines); ppl's 150 training steps ~100 s with the dataset, its 3 precisions over 60 s more.
 # p7-http measures HTTP ÷ the engine alone; the logs now time each compilation and the replica's start.
+# Since then each engine compiles its decode step twice (batch 1, and any other batch), both when it is built;
+# a step over the whole context no longer compiles a third and a fourth time, and a second engine of the same
+# precision in a process reuses the first's compiled step (checked on the CPU, 2026-11-27).
 # For the lent GPU machine first run, here,
 #   SERVE=1 EXTRA_WHEELS="torchao==0.18.0 pytest pluggy iniconfig pygments psutil" ../shared/gpu/bundle.sh
 # (62 MB, under the 64 MiB a call may carry) and carry .gpu-wheels along: this script installs them (that
