@@ -14,10 +14,12 @@ A decode step reads the cache only up to the longest live sequence, rounded up t
 and the step has few distinct shapes. On a GPU each shape (batch rounded up the same way, times
 span) is captured once as a CUDA graph and replayed: a small model's decode step is otherwise
 bound by the time the host takes to launch its hundreds of kernels. Inside a graph, a small model's step
-at batch 1 still takes about as long as it has kernels, so on a GPU the step is also ``torch.compile``d
-first: the compiler fuses each layer's norms, bias adds, GELU, residual adds and cache writes into a few
-kernels. Small prefills are launch-bound in the same way (one 32-byte prompt: ~270 kernels, 9 ms on an
-H200 of which 0.8 ms on the GPU), so those too replay a graph per (batch, width) bucket on a GPU.
+at batch 1 still takes about as long as it has kernels, so on a GPU each layer of the step is also
+``torch.compile``d first: the compiler fuses its norms, bias adds, GELU, residual adds and cache writes into
+a few kernels. One layer is compiled, and its code serves every layer (each layer's cache is an input, not
+an index into one), so a replica's start does not grow with the model's depth. Small prefills are
+launch-bound in the same way (one 32-byte prompt: ~270 kernels, 9 ms on an H200 of which 0.8 ms on the
+GPU), so those too replay a graph per (batch, width) bucket on a GPU.
 """
 
 import logging
@@ -28,9 +30,10 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.fx.experimental import _config as shape_config
 
 from serve.precision import apply_precision
-from train.model import GPT, KVCache
+from train.model import GPT
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +84,9 @@ class Decoder:
         shape = (cfg.n_layer, max_batch, cfg.n_head, cfg.seq_len + 1, head_dim)
         self.keys = torch.zeros(shape, dtype=self.dtype, device=device)
         self.values = torch.zeros(shape, dtype=self.dtype, device=device)
-        self.step = self.decode_span
+        self.decode_layer = _decode_layer
         if compile is True or (compile == "auto" and device.type == "cuda"):
-            self.step = _compiled(self)
+            _compile(self)
         captured = _CapturedSteps() if cuda_graphs and device.type == "cuda" else None
         self.decode_graphs = _DecodeGraphs(self, captured) if captured else None
         self.prefill_graphs = _PrefillGraphs(self, captured) if captured else None
@@ -126,15 +129,28 @@ class Decoder:
         span = span_bucket(max(positions) + 1, self.cfg.seq_len)
         if self.decode_graphs is not None:
             return self.decode_graphs.decode(tokens, positions, span)
-        return self.step(torch.tensor(tokens, device=self.device), torch.tensor(positions, device=self.device), span)
+        return self.decode_span(
+            torch.tensor(tokens, device=self.device), torch.tensor(positions, device=self.device), span
+        )
 
     def decode_span(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
-        """``decode`` of device tensors, attending over the first ``span`` cache positions, uncompiled
-        (``step`` is this or its compiled version)."""
-        return self._logits(tokens[:, None], positions[:, None], _DecodeCache(self, positions, span))[:, 0]
-
-    def _logits(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        return self.head(self.model.hidden_states(tokens, positions, cache)).float()
+        """``decode`` of device tensors, attending over the first ``span`` cache positions: ``GPT.hidden_states``
+        one layer at a time, each through ``decode_layer`` (compiled or not)."""
+        batch = len(tokens)
+        where = (
+            torch.arange(batch, device=self.device)[:, None],
+            torch.arange(self.cfg.n_head, device=self.device)[None, :],
+            positions[:, None],
+        )
+        visible = torch.arange(span, device=self.device)[None, :] <= positions[:, None]
+        # Additive, in the attention's dtype, made once per step: attention converts a boolean mask to this
+        # itself, in every layer (a `where` and scalar tensors each: kernels inside the graph on a GPU).
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, -torch.inf)
+        x = self.model.embed(tokens[:, None], positions[:, None])
+        for layer, block in enumerate(self.model.blocks):
+            cache = _DecodeCache(self.keys[layer], self.values[layer], where, mask[:, None, None, :])
+            x = self.decode_layer(block, x, cache)
+        return self.head(self.model.ln_out(x)).float()[:, 0]
 
     def move(self, source: int, target: int) -> None:
         """Copy the cache of slot ``source`` to slot ``target`` (to keep live slots contiguous)."""
@@ -142,31 +158,41 @@ class Decoder:
         self.values[:, target] = self.values[:, source]
 
 
-def _compiled(decoder: Decoder) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]:
-    """``decoder.decode_span`` compiled, its batch and span dynamic, or, where compiling fails, uncompiled.
+def _decode_layer(block: nn.Module, x: torch.Tensor, cache: "_DecodeCache") -> torch.Tensor:
+    """One layer of a decode step: the part that is compiled, once for all layers."""
+    return block(x, cache)
+
+
+def _compile(decoder: Decoder) -> None:
+    """Make ``decoder.decode_layer`` ``_decode_layer`` compiled, its batch and span dynamic, or, where compiling
+    fails, leave it uncompiled.
 
     Compiled here, at batch 1 and 2 (two compilations: the compiler specializes size 1), so that a replica
     is ready only once compiled, and a precision the compiler cannot handle serves uncompiled from the
-    start. The step writes keys and values at position 0 of slots 0 and 1, free now: a prefill overwrites
+    start. Nothing in a layer's code names its index, so the compiled code of the first layer serves the
+    others. The step writes keys and values at position 0 of slots 0 and 1, free now: a prefill overwrites
     them before any sequence reads them.
     """
     # Compiled code is shared by all decoders of a process and keyed by their shapes and dtypes: a process
     # may hold several (the benchmarks build one per precision and batch), and past dynamo's default of 8
     # variants it would run the step uncompiled without a word.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    step = torch.compile(decoder.decode_span, dynamic=True)
+    decoder.decode_layer = torch.compile(_decode_layer, dynamic=True)
     start = time.perf_counter()
     try:
-        with torch.inference_mode():
+        # Each size a symbol of its own: the compiler would otherwise take a span equal to, say, the head size
+        # or the head count for that size, which it fixes, and compile each span again while serving.
+        with torch.inference_mode(), shape_config.patch(use_duck_shape=False):
             for batch in sorted({1, min(2, decoder.max_batch)}):
                 tokens, positions = (torch.zeros(batch, dtype=torch.long, device=decoder.device) for _ in range(2))
-                step(tokens, positions, MIN_SPAN)  # two tensors: one passed twice would be compiled apart
+                # Two tensors: one passed twice would be compiled apart.
+                decoder.decode_span(tokens, positions, MIN_SPAN)
     except RuntimeError:  # the compiler's errors are RuntimeErrors (torch._dynamo.exc.BackendCompilerFailed)
         logger.exception("the decode step cannot be compiled; decoding uncompiled")
-        return decoder.decode_span
+        decoder.decode_layer = _decode_layer
+        return
     # A replica's start waits for it: the log says how long.
     logger.info("compiled the decode step in %.1f s", time.perf_counter() - start)
-    return step
 
 
 class _PrefillCache:
@@ -187,28 +213,24 @@ class _PrefillCache:
 
 
 class _DecodeCache:
-    """One new token per slot 0..B-1, stored at its position; each attends over its own slot up to there."""
+    """One layer's cache in a decode step: one new token per slot 0..B-1, stored at its position (``where``
+    indexes slot, head, position); each attends over its own slot up to there (``mask``: batch, 1, 1, span).
 
-    def __init__(self, decoder: Decoder, where: torch.Tensor, span: int):
-        self.decoder, self.where, self.span = decoder, where, span
-        self.slots = torch.arange(len(where), device=where.device)
-        self.layer_ids = torch.arange(decoder.cfg.n_layer, device=where.device)
-        self.heads = torch.arange(decoder.cfg.n_head, device=where.device)
-        visible = torch.arange(span, device=where.device)[None, :] <= where[:, None]
-        # Additive, in the attention's dtype, made once per step: attention converts a boolean mask to this
-        # itself, in every layer (a `where` and scalar tensors each: kernels inside the graph on a GPU).
-        mask = torch.zeros(visible.shape, dtype=decoder.dtype, device=where.device).masked_fill_(~visible, -torch.inf)
-        self.mask = mask[:, None, None, :]  # (batch, 1 head, 1 query, span)
+    The span is the mask's size, not an int of its own: the compiler would take an int attribute for a
+    constant and compile each span apart, where a tensor's sizes stay symbolic.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, where: tuple[torch.Tensor, ...], mask: torch.Tensor):
+        self.keys, self.values, self.where, self.mask = keys, values, where, mask
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # Written into the whole cache tensor, not into a view of this layer's part: compiled, a write
-        # through a view copied the whole cache every step (~40x slower on the CPU).
-        where = (self.layer_ids[layer], self.slots[:, None], self.heads[None, :], self.where[:, None])
-        self.decoder.keys.index_put_(where, k[:, :, 0])
-        self.decoder.values.index_put_(where, v[:, :, 0])
-        batch = len(self.slots)
-        keys, values = (cache[layer, :batch, :, : self.span] for cache in (self.decoder.keys, self.decoder.values))
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask)
+        # ``layer`` is unused: this cache is its layer's alone, so a compiled layer does not depend on its index.
+        self.keys.index_put_(self.where, k[:, :, 0])
+        self.values.index_put_(self.where, v[:, :, 0])
+        batch, span = len(q), self.mask.shape[-1]
+        return F.scaled_dot_product_attention(
+            q, self.keys[:batch, :, :span], self.values[:batch, :, :span], attn_mask=self.mask
+        )
 
 
 class _CapturedSteps:
@@ -267,14 +289,14 @@ class _DecodeGraphs:
         self.positions[:padded].copy_(torch.tensor(positions + padding))
 
         def step() -> torch.Tensor:
-            return self.decoder.step(self.tokens[:padded], self.positions[:padded], span)
+            return self.decoder.decode_span(self.tokens[:padded], self.positions[:padded], span)
 
         try:
             logits = self.captured.replay(("decode", padded, span), step)
         except RuntimeError:  # e.g. a quantized kernel that syncs with the host: serve, eagerly
             logger.exception("the decode step cannot be captured as a CUDA graph; decoding eagerly from now on")
             self.decoder.decode_graphs = None
-            return self.decoder.step(self.tokens[:batch], self.positions[:batch], span)
+            return self.decoder.decode_span(self.tokens[:batch], self.positions[:batch], span)
         return logits[:batch].clone()  # the next replay overwrites the graph's output
 
 

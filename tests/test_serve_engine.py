@@ -174,14 +174,19 @@ def test_graphed_prefills_and_decode_steps_give_the_eager_logits_on_a_gpu():
 def test_the_compiled_decode_step_gives_the_uncompiled_logits_and_cache(precision, tolerance):
     """The step ``compile`` serves (on a GPU by default), checked on the CPU: batches of 3 and then 1 (the
     compiler specializes size 1), every span up to the whole context, each step's keys and values written into
-    the cache; all compiled when the decoder is built (a replica's start), none while it serves."""
+    the cache. One layer is compiled, when a decoder is built (a replica's start), and serves every layer: a
+    deeper model of the same width compiles nothing more, neither when built nor while it serves."""
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
-    model = GPT(ModelConfig(seq_len=64, n_layer=2, n_head=2, d_model=32)).eval()
-    compiled, plain = Decoder(model, 4, precision, compile=True), Decoder(model, 4, precision, compile=False)
-    assert compiled.step != compiled.decode_span and plain.step == plain.decode_span
+    shape = {"seq_len": 64, "n_head": 2, "d_model": 32}
     compilations = counters["frames"]["ok"]
+    Decoder(GPT(ModelConfig(n_layer=1, **shape)).eval(), 4, precision, compile=True)
+    assert counters["frames"]["ok"] > compilations
+    compilations = counters["frames"]["ok"]
+    model = GPT(ModelConfig(n_layer=3, **shape)).eval()
+    compiled, plain = Decoder(model, 4, precision, compile=True), Decoder(model, 4, precision, compile=False)
+    assert compiled.decode_layer is not plain.decode_layer
     prompts = [[5, 6, 7, 8], [200, 201], [9, 10, 11]]
     for decoder in (compiled, plain):
         decoder.prefill([0, 1, 2], prompts, [False] * 3)

@@ -133,10 +133,14 @@ class GPT(nn.Module):
             if seq > self.cfg.seq_len:
                 raise ValueError(f"sequence of {seq} tokens exceeds the context length {self.cfg.seq_len}")
             positions = torch.arange(seq, device=tokens.device)
-        x = F.dropout(self.tok_emb(tokens) + self.pos_emb(positions), self.cfg.dropout, self.training)
+        x = self.embed(tokens, positions)
         for block in self.blocks:
             x = block(x, cache)
         return self.ln_out(x)
+
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The residual stream (batch, seq, d_model) that the blocks of ``hidden_states`` start from."""
+        return F.dropout(self.tok_emb(tokens) + self.pos_emb(positions), self.cfg.dropout, self.training)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
         """Logits for ``tokens`` (batch, seq); with ``targets``, also the mean cross-entropy."""
