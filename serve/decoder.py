@@ -116,8 +116,8 @@ class Decoder:
         """``prefill`` of device tensors: prompts ``tokens`` (batch, width) into cache ``slots``; returns their
         hidden states and the logits (batch, vocab) after each one's position ``ends``."""
         width = tokens.shape[1]
-        cache = _PrefillCache(self, slots, width)
-        hidden = self.model.hidden_states(tokens, torch.arange(width, device=self.device), cache)
+        caches = [_PrefillCache(self.keys[i], self.values[i], slots, width) for i in range(self.cfg.n_layer)]
+        hidden = self.model.hidden_states(tokens, torch.arange(width, device=self.device), caches)
         return hidden, self.head(hidden[torch.arange(len(slots), device=self.device), ends]).float()
 
     @torch.inference_mode()
@@ -146,10 +146,10 @@ class Decoder:
         # Additive, in the attention's dtype, made once per step: attention converts a boolean mask to this
         # itself, in every layer (a `where` and scalar tensors each: kernels inside the graph on a GPU).
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, -torch.inf)
+        mask = mask[:, None, None, :]  # (batch, 1 head, 1 query, span)
         x = self.model.embed(tokens[:, None], positions[:, None])
         for layer, block in enumerate(self.model.blocks):
-            cache = _DecodeCache(self.keys[layer], self.values[layer], where, mask[:, None, None, :])
-            x = self.decode_layer(block, x, cache)
+            x = self.decode_layer(block, x, _DecodeCache(self.keys[layer], self.values[layer], where, mask))
         return self.head(self.model.ln_out(x)).float()[:, 0]
 
     def move(self, source: int, target: int) -> None:
@@ -196,19 +196,20 @@ def _compile(decoder: Decoder) -> None:
 
 
 class _PrefillCache:
-    """Each prompt's keys and values go into its slot; each prompt attends causally to itself.
+    """One layer's cache in a prefill: each prompt's keys and values go into its slot; each prompt attends
+    causally to itself.
 
     Prompts are right-padded to one width: padding only follows a prompt's tokens, so causal attention
     keeps it out of them, and its keys and values land past the prompt in the slot, where each decode
     step writes its own before any query reads that far.
     """
 
-    def __init__(self, decoder: Decoder, slots: torch.Tensor, width: int):
-        self.decoder, self.slots, self.width = decoder, slots, width
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, width: int):
+        self.keys, self.values, self.slots, self.width = keys, values, slots, width
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.decoder.keys[layer][self.slots, :, : self.width] = k
-        self.decoder.values[layer][self.slots, :, : self.width] = v
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.keys[self.slots, :, : self.width] = k
+        self.values[self.slots, :, : self.width] = v
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
@@ -223,8 +224,7 @@ class _DecodeCache:
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, where: tuple[torch.Tensor, ...], mask: torch.Tensor):
         self.keys, self.values, self.where, self.mask = keys, values, where, mask
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # ``layer`` is unused: this cache is its layer's alone, so a compiled layer does not depend on its index.
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.keys.index_put_(self.where, k[:, :, 0])
         self.values.index_put_(self.where, v[:, :, 0])
         batch, span = len(q), self.mask.shape[-1]

@@ -6,6 +6,7 @@ embedding. The same class is trained by ``train/`` and served by ``serve/``.
 """
 
 import math
+from collections.abc import Sequence
 from typing import Literal, Protocol
 
 import torch
@@ -43,18 +44,17 @@ class ModelConfig(Section):
 
 
 class KVCache(Protocol):
-    """Where incremental decoding keeps keys and values (serve/decoder.py holds the implementations)."""
+    """Where incremental decoding keeps one layer's keys and values (serve/decoder.py holds the implementations)."""
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Store ``k``/``v`` (batch, head, seq, head_dim) of ``layer``; the attention of ``q`` over the cache."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store ``k``/``v`` (batch, head, seq, head_dim); the attention of ``q`` over the cache."""
         ...
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_head = cfg.n_head
-        self.layer = layer  # this block's index in a KV cache
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.dropout = cfg.dropout
@@ -68,7 +68,7 @@ class CausalSelfAttention(nn.Module):
             dropout = self.dropout if self.training else 0.0
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
         else:
-            y = cache.attend(self.layer, q, k, v)
+            y = cache.attend(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, dim))
 
 
@@ -84,10 +84,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.ln_attn = nn.LayerNorm(cfg.d_model)
-        self.attn = CausalSelfAttention(cfg, layer)
+        self.attn = CausalSelfAttention(cfg)
         self.ln_mlp = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg)
         self.dropout = cfg.dropout
@@ -104,7 +104,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg, layer) for layer in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_out = nn.LayerNorm(cfg.d_model)
         self.apply(self._init_weights)
         # GPT-2's scaled init of the projections that write into the residual stream.
@@ -121,12 +121,12 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def hidden_states(
-        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, caches: Sequence[KVCache] | None = None
     ) -> torch.Tensor:
         """The final normalized hidden states (batch, seq, d_model) of ``tokens``.
 
         ``positions`` (broadcastable to ``tokens``) default to 0..seq-1; incremental decoding passes
-        where each token sits and a ``cache`` that holds the keys and values of earlier tokens.
+        where each token sits and a cache per layer that holds the keys and values of earlier tokens.
         """
         if positions is None:
             seq = tokens.shape[1]
@@ -134,7 +134,7 @@ class GPT(nn.Module):
                 raise ValueError(f"sequence of {seq} tokens exceeds the context length {self.cfg.seq_len}")
             positions = torch.arange(seq, device=tokens.device)
         x = self.embed(tokens, positions)
-        for block in self.blocks:
+        for block, cache in zip(self.blocks, caches or [None] * len(self.blocks), strict=True):
             x = block(x, cache)
         return self.ln_out(x)
 
