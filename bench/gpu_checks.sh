@@ -15,7 +15,9 @@
 # Seen on an H200 (2026-11-27, on that code): p7-http's engine compiled in 111.5 s, then its replica had not
 # started 57 s later when its 235 s ran out; tests: ZeRO-0/1/2 ~80 s each, ZeRO-3 learned but 330 s ran out in
 # its export check; tests-serve: 4 of 5 passed in 100 s, fp8's cut. Since then one layer of the step is
-# compiled and serves every layer (12x768 on the CPU, cold: 99 s -> 32 s). Give p7-http and tests a call each.
+# compiled and serves every layer (12x768 on the CPU, cold: 99 s -> 32 s). Seen on an H200 (2026-11-27, second
+# lease, on that code): compiling took 17.5 s cold; p7-http 130 s and p7 140 s (replica start 18-29 s); the 9 gpu
+# tests 360 s (ZeRO stages ~62 s each, serving 80 s). So `p7-http:300 p7:230` fits one call, the tests another.
 # For the lent GPU machine first run, here,
 #   SERVE=1 EXTRA_WHEELS="torchao==0.18.0 pytest pluggy iniconfig pygments psutil" ../shared/gpu/bundle.sh
 # (62 MB, under the 64 MiB a call may carry) and carry .gpu-wheels along: this script installs them (that
