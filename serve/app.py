@@ -34,11 +34,12 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 from serve.config import ServeConfig, serve_config_from_dict
 from serve.decoder import Decoder
 from serve.engine import Chunk, ContinuousBatcher, Engine, GenerationParams, Sequence, joined
+from serve.engine_process import EngineProcess, EngineSpec
 from serve.sampling import TokenLogprob
 from train import storage
-from train.export import export_uri, load_exported
-from train.hf_gpt2 import CONFIG
-from train.tokenizer import EOT
+from train.export import export_name, export_uri, load_exported
+from train.hf_gpt2 import CONFIG, read_model_config
+from train.tokenizer import EOT, load_tokenizer
 
 logger = logging.getLogger(__name__)
 # How long past the request timeout a stopping replica waits: for the timed-out requests' own replies.
@@ -205,19 +206,26 @@ class CompletionServer:
         torch.set_num_threads(cfg.torch_threads)
         device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
         location = resolve_export(cfg.checkpoint)
-        exported = load_exported(location)
-        self.model_name = cfg.model_name or exported.name
+        self.model_name = cfg.model_name or export_name(location)
         self.precision = cfg.resolved_precision(device)
-        self.context = exported.model.cfg.seq_len
-        self.tokenizer = exported.tokenizer
+        self.context = read_model_config(location).seq_len
+        self.tokenizer = load_tokenizer(location)
         template = chat_template(location)
         environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         self.chat_template = environment.from_string(template) if template else None
         max_batch = 1 if cfg.batching == "none" else cfg.max_batch_size
-        decoder = Decoder(exported.model, max_batch, self.precision, device, cfg.cuda_graphs, cfg.compile)
-        self.engine = Engine(decoder, self.tokenizer)
         self.batching = cfg.batching
-        self.batcher = ContinuousBatcher(self.engine, on_step=self._record_step)
+        self.batcher: EngineProcess | ContinuousBatcher
+        if cfg.batching == "serve_batch":  # the benchmark's baseline runs fixed batches here, in-process
+            model = load_exported(location).model
+            decoder = Decoder(model, max_batch, self.precision, device, cfg.cuda_graphs, cfg.compile)
+            self.engine = Engine(decoder, self.tokenizer)
+            self.batcher = ContinuousBatcher(self.engine, on_step=self._record_step)
+        else:
+            spec = EngineSpec(
+                location, max_batch, self.precision, device, cfg.cuda_graphs, cfg.compile, cfg.torch_threads
+            )
+            self.batcher = EngineProcess(spec, on_step=self._record_step)
         self.serve_batch_lock = asyncio.Lock()
         self._generate_serve_batch.set_max_batch_size(cfg.max_batch_size)
         self._generate_serve_batch.set_batch_wait_timeout_s(cfg.batch_wait_timeout_s)
@@ -236,6 +244,11 @@ class CompletionServer:
             "raywright_batch_size", description="Sequences per decode step.", boundaries=[1, 2, 4, 8, 16, 32, 64]
         )
         self.queue_depth = Gauge("raywright_queue_depth", description="Requests waiting for a batch slot.")
+
+    def __del__(self) -> None:
+        """Serve's shutdown of the replica: the engine process goes with it (it would also see the socket close)."""
+        if isinstance(getattr(self, "batcher", None), EngineProcess):
+            self.batcher.close()
 
     def check_health(self) -> None:
         """Serve's health check: a replica whose decode loop died is replaced."""
@@ -256,16 +269,17 @@ class CompletionServer:
 
     @api.get("/ready")
     def ready(self) -> dict:
-        """Readiness, and this replica's load: sequences decoding, requests waiting, tokens generated so far, and
-        where its decode loop's time went (serve/engine.py, LoopTimes)."""
+        """Readiness, and this replica's load: sequences decoding, requests waiting, tokens generated so far,
+        where its decode loop's time went (serve/engine.py, LoopTimes), and its engine process."""
         return {
             "status": "ready",
             "model": self.model_name,
             "precision": self.precision,
-            "in_flight": len(self.engine.live),
+            "in_flight": self.batcher.in_flight,
             "waiting": self.batcher.queue_depth,
             "generated_tokens": self.generated_tokens,
-            "decode_loop": asdict(self.engine.times),
+            "decode_loop": asdict(self.batcher.times),
+            "engine_pid": self.batcher.process.pid if isinstance(self.batcher, EngineProcess) else None,
         }
 
     @api.get("/v1/models", dependencies=[Depends(require_api_key)])

@@ -250,6 +250,19 @@ class Engine:
         return ["".join(chunk.text for chunk in seq.chunks) for seq in batch]
 
 
+async def stream_chunks(queue: asyncio.Queue[Chunk], timeout_s: float | None) -> AsyncIterator[Chunk]:
+    """A sequence's chunks from ``queue``, up to its last; after ``timeout_s`` a last chunk ``timeout``."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                chunk = await queue.get()
+                yield chunk
+                if chunk.finish_reason:
+                    return
+    except TimeoutError:
+        yield Chunk(f"the request took longer than {timeout_s:g} s", "timeout", 0)
+
+
 class ContinuousBatcher:
     """The asyncio face of an Engine: ``generate`` streams chunks; one loop task drives all requests."""
 
@@ -264,6 +277,14 @@ class ContinuousBatcher:
     @property
     def queue_depth(self) -> int:
         return len(self.waiting)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.engine.live)
+
+    @property
+    def times(self) -> LoopTimes:
+        return self.engine.times
 
     @property
     def loop_failed(self) -> BaseException | None:
@@ -287,14 +308,8 @@ class ContinuousBatcher:
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._loop())
         try:
-            async with asyncio.timeout(timeout_s):
-                while True:
-                    chunk = await seq.queue.get()
-                    yield chunk
-                    if chunk.finish_reason:
-                        return
-        except TimeoutError:
-            yield Chunk(f"the request took longer than {timeout_s:g} s", "timeout", 0)
+            async for chunk in stream_chunks(seq.queue, timeout_s):
+                yield chunk
         finally:
             # A caller that went away (client disconnect) or timed out frees its slot at the next step.
             seq.cancelled = True

@@ -424,6 +424,22 @@ def test_a_redeploy_lets_every_request_in_flight_on_the_replaced_replica_finish(
     serve.delete("redeployed")
 
 
+def test_a_replica_whose_engine_process_died_fails_fast_and_is_replaced(server, memorized_export):
+    """The replica's requests get a 500 at once instead of waiting for a decode loop that is gone; Serve's health
+    check replaces the replica, and the app serves the same text again."""
+    args = {"checkpoint": memorized_export, "cpus_per_replica": 0.25}
+    app = deployment_for(serve_config_from_dict(args)).options(health_check_period_s=1)
+    serve.run(app.bind(args), name="fragile", route_prefix="/fragile")
+    url, body = f"{server}/fragile", {"prompt": "Grüße aus", "max_tokens": 12, "temperature": 0}
+    text, engine = complete(url, **body).json()["choices"][0]["text"], ready(url)["engine_pid"]
+    os.kill(engine, signal.SIGKILL)
+    failed = complete(url, timeout=10, **body)
+    assert failed.status_code == 500 and failed.json()["error"]["message"] == "generation failed on the server"
+    wait_for_condition(lambda: ready(url)["engine_pid"] not in (engine, None), timeout=120, retry_interval_ms=500)
+    assert complete(url, **body).json()["choices"][0]["text"] == text
+    serve.delete("fragile")
+
+
 def test_body_size_is_limited_before_the_key_is_checked(server):
     keyed = f"{server}/keyed/v1/completions"
     big = requests.post(keyed, data=b"x" * 1_000_001, headers={"content-type": "application/json"}, timeout=10)

@@ -87,7 +87,10 @@ def load_exported(uri: str, dtype: torch.dtype | None = None) -> Exported:
     load_weights(model, uri)
     if dtype is not None:
         model.to(dtype)
-    provenance = _provenance(uri)
-    run_name = provenance.get("config", {}).get("run", {}).get("name")
-    name = run_name or PurePosixPath(uri.rstrip("/")).name
-    return Exported(model.eval(), load_tokenizer(uri), name, provenance)
+    return Exported(model.eval(), load_tokenizer(uri), export_name(uri), _provenance(uri))
+
+
+def export_name(uri: str) -> str:
+    """The training run's name, or the directory's name for a model raywright did not train."""
+    run_name = _provenance(uri).get("config", {}).get("run", {}).get("name")
+    return run_name or PurePosixPath(uri.rstrip("/")).name

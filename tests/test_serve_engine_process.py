@@ -1,0 +1,93 @@
+"""The decode loop in a child process (serve/engine_process.py), without Ray: what a replica relies on."""
+
+import asyncio
+import shutil
+from dataclasses import replace
+
+import pytest
+
+from serve.engine import GENERATION_FAILED, Chunk, GenerationParams, Sequence
+from serve.engine_process import EngineProcess, EngineSpec
+from tests.test_serve_engine import PROMPTS, encode, make_engine, text_of
+
+pytestmark = pytest.mark.unit
+
+
+def spec(export: str, max_batch: int) -> EngineSpec:
+    return EngineSpec(export, max_batch, "int8", "cpu", cuda_graphs=False, compile=False, torch_threads=1)
+
+
+async def generated(engine: EngineProcess, prompt: str, params: GenerationParams, **options) -> list[Chunk]:
+    return [chunk async for chunk in engine.generate(Sequence(encode(prompt), params), **options)]
+
+
+def test_requests_through_the_engine_process_get_the_in_process_engine_text(memorized_export):
+    """Greedy and seeded sampled requests, streamed and whole, with logprobs, sharing a batch of fewer slots
+    than requests: each gets what the engine in this process gives it alone; one past its timeout frees its
+    slot for the next."""
+    batch_sizes = []
+    engine = EngineProcess(spec(memorized_export, 3), on_step=lambda size, waiting: batch_sizes.append(size))
+    params = [
+        GenerationParams(max_tokens=6 + 5 * i, temperature=0.0 if i % 2 else 0.8, seed=i, logprobs=2) for i in range(6)
+    ]
+    echoed = Sequence(encode(PROMPTS[0]), GenerationParams(max_tokens=4, temperature=0.0, prompt_logprobs=True))
+
+    async def run() -> tuple[list[list[Chunk]], list[Chunk], list[Chunk]]:
+        requests = [
+            generated(engine, prompt, p, whole=i % 3 == 0)
+            for i, (prompt, p) in enumerate(zip(PROMPTS, params, strict=False))
+        ]
+        texts = await asyncio.gather(*requests)
+        echo = [chunk async for chunk in engine.generate(echoed)]
+        late = await generated(engine, "K", replace(params[1], max_tokens=500), timeout_s=0.05)
+        return texts, echo, late
+
+    try:
+        texts, echo, late = asyncio.run(run())
+        after = asyncio.run(generated(engine, "Grüße", replace(params[1], max_tokens=5)))
+    finally:
+        engine.close()
+    local = make_engine(memorized_export, "int8", max_batch=1)
+    for prompt, p, chunks in zip(PROMPTS, params, texts, strict=False):
+        alone = Sequence(encode(prompt), p)
+        assert text_of(chunks) == local.run_batch([alone])[0]
+        got, expected = ([lp for c in cs for lp in c.logprobs] for cs in (chunks, alone.chunks))
+        assert [lp.token for lp in got] == [lp.token for lp in expected] and len(got) == p.max_tokens
+        assert got[-1].logprob == pytest.approx(expected[-1].logprob, abs=1e-4)
+    assert max(batch_sizes) == 3
+    alone = Sequence(echoed.prompt, echoed.params)
+    local.run_batch([alone])
+    assert [lp.token for lp in echoed.prompt_logprobs] == echoed.prompt[1:]
+    assert echoed.prompt_logprobs[-1].logprob == pytest.approx(alone.prompt_logprobs[-1].logprob, abs=1e-4)
+    assert late[-1].finish_reason == "timeout"
+    assert text_of(after) == " aus " and engine.loop_failed is None
+
+
+def test_a_dead_engine_process_fails_its_requests_and_the_health_check(memorized_export):
+    """Its requests in flight and any later one end with an error instead of waiting; ``loop_failed`` (the
+    replica's health check) says why, so that Serve replaces the replica."""
+    engine = EngineProcess(spec(memorized_export, 2))
+    long = GenerationParams(max_tokens=400, temperature=0.0)
+
+    async def run() -> tuple[list[Chunk], list[Chunk]]:
+        async with asyncio.timeout(60):
+            request = asyncio.create_task(generated(engine, "K", long))
+            while engine.in_flight == 0:
+                await asyncio.sleep(0.01)
+            engine.process.kill()
+            return await request, await generated(engine, "Grüße", long)
+
+    try:
+        in_flight, later = asyncio.run(run())
+    finally:
+        engine.close()
+    assert in_flight[-1] == Chunk(GENERATION_FAILED, "error", 0) and later == [in_flight[-1]]
+    assert "engine process stopped" in str(engine.loop_failed)
+
+
+def test_an_engine_that_cannot_be_built_says_why(memorized_export, tmp_path):
+    broken = tmp_path / "export"
+    shutil.copytree(memorized_export, broken)
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(RuntimeError, match="the engine could not be built: .*"):
+        EngineProcess(spec(str(broken), 2))
