@@ -18,6 +18,8 @@
 # compiled and serves every layer (12x768 on the CPU, cold: 99 s -> 32 s). Seen on an H200 (2026-11-27, second
 # lease, on that code): compiling took 17.5 s cold; p7-http 130 s and p7 140 s (replica start 18-29 s); the 9 gpu
 # tests 360 s (ZeRO stages ~62 s each, serving 80 s). So `p7-http:300 p7:230` fits one call, the tests another.
+# HTTP gave 0.54-0.60 of the engine; since then the replica's decode loop runs in a child process (p7-http
+# measures it; its replica log says "engine built in X s").
 # For the lent GPU machine first run, here,
 #   SERVE=1 EXTRA_WHEELS="torchao==0.18.0 pytest pluggy iniconfig pygments psutil" ../shared/gpu/bundle.sh
 # (62 MB, under the 64 MiB a call may carry) and carry .gpu-wheels along: this script installs them (that

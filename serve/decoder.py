@@ -1,6 +1,6 @@
 """Token-by-token inference of a trained GPT for many sequences at once, with a KV cache.
 
-The GPT runs its own incremental forward (``GPT.hidden_states`` with positions and a cache);
+The GPT runs its own incremental forward (``GPT.hidden_states`` with positions and one cache per layer);
 this module owns the cache and the untied, quantizable output projection.
 
 The cache has one slot per sequence in flight. The prompts of the sequences that arrive together are
