@@ -32,12 +32,11 @@ from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from serve.config import ServeConfig, serve_config_from_dict
-from serve.decoder import Decoder
-from serve.engine import Chunk, ContinuousBatcher, Engine, GenerationParams, Sequence, joined
+from serve.engine import Chunk, ContinuousBatcher, GenerationParams, Sequence, joined
 from serve.engine_process import EngineProcess, EngineSpec
 from serve.sampling import TokenLogprob
 from train import storage
-from train.export import export_name, export_uri, load_exported
+from train.export import export_name, export_uri
 from train.hf_gpt2 import CONFIG, read_model_config
 from train.tokenizer import EOT, load_tokenizer
 
@@ -203,7 +202,6 @@ def _token_text(data: bytes) -> str:
 class CompletionServer:
     def __init__(self, config: dict[str, Any]):
         cfg = serve_config_from_dict(config)
-        torch.set_num_threads(cfg.torch_threads)
         device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
         location = resolve_export(cfg.checkpoint)
         self.model_name = cfg.model_name or export_name(location)
@@ -215,16 +213,12 @@ class CompletionServer:
         self.chat_template = environment.from_string(template) if template else None
         max_batch = 1 if cfg.batching == "none" else cfg.max_batch_size
         self.batching = cfg.batching
+        spec = EngineSpec(location, max_batch, self.precision, device, cfg.cuda_graphs, cfg.compile, cfg.torch_threads)
         self.batcher: EngineProcess | ContinuousBatcher
         if cfg.batching == "serve_batch":  # the benchmark's baseline runs fixed batches here, in-process
-            model = load_exported(location).model
-            decoder = Decoder(model, max_batch, self.precision, device, cfg.cuda_graphs, cfg.compile)
-            self.engine = Engine(decoder, self.tokenizer)
+            self.engine = spec.build()
             self.batcher = ContinuousBatcher(self.engine, on_step=self._record_step)
         else:
-            spec = EngineSpec(
-                location, max_batch, self.precision, device, cfg.cuda_graphs, cfg.compile, cfg.torch_threads
-            )
             self.batcher = EngineProcess(spec, on_step=self._record_step)
         self.serve_batch_lock = asyncio.Lock()
         self._generate_serve_batch.set_max_batch_size(cfg.max_batch_size)

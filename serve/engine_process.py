@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class EngineSpec:
-    """What the child builds: ``Decoder(model of export, max_batch, precision, device, cuda_graphs, compile)``."""
+    """An engine to build: the export's model in a Decoder of these settings, with its tokenizer."""
 
     export: str
     max_batch: int
@@ -53,6 +53,12 @@ class EngineSpec:
     cuda_graphs: bool
     compile: bool | str
     torch_threads: int
+
+    def build(self) -> Engine:
+        torch.set_num_threads(self.torch_threads)
+        exported = load_exported(self.export)
+        decoder = Decoder(exported.model, self.max_batch, self.precision, self.device, self.cuda_graphs, self.compile)
+        return Engine(decoder, exported.tokenizer)
 
 
 @dataclass
@@ -104,13 +110,11 @@ class EngineProcess:
         self.process = subprocess.Popen(command, pass_fds=[theirs.fileno()], env=env)
         theirs.close()
         self.connection = ours
-        self.failure: BaseException | None = None
+        self.loop_failed: BaseException | None = None  # why the child stopped, if it did (the health check)
         self._on_step = on_step
         self._requests: dict[int, tuple[Sequence, asyncio.Queue[Chunk]]] = {}
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.waiting = self.live = 0
-        self.times = LoopTimes()
         ours.send(spec)
         while not ours.poll(1.0):
             if self.process.poll() is not None:
@@ -118,19 +122,20 @@ class EngineProcess:
         started = self._receive_one()
         if not isinstance(started, StepReport):
             self.process.wait()
-            raise RuntimeError(started.reason if isinstance(started, StartFailed) else str(self.failure))
+            raise RuntimeError(started.reason if isinstance(started, StartFailed) else str(self.loop_failed))
+        self.last_report = started
 
     @property
     def queue_depth(self) -> int:
-        return self.waiting
+        return self.last_report.waiting
 
     @property
     def in_flight(self) -> int:
-        return self.live
+        return self.last_report.live
 
     @property
-    def loop_failed(self) -> BaseException | None:
-        return self.failure
+    def times(self) -> LoopTimes:
+        return self.last_report.times
 
     async def generate(
         self, seq: Sequence, timeout_s: float | None = None, whole: bool = False
@@ -159,12 +164,12 @@ class EngineProcess:
     def _listen(self) -> None:
         """Read the child's reports on the event loop that asks (a replica has one; a script may run several)."""
         loop = asyncio.get_running_loop()
-        if loop is not self._loop and self.failure is None:
+        if loop is not self._loop and self.loop_failed is None:
             loop.add_reader(self.connection.fileno(), self._on_readable)
             self._loop = loop
 
     def _send(self, message: Submit | Cancel) -> None:
-        if self.failure is not None:
+        if self.loop_failed is not None:
             self._fail_all()
             return
         try:
@@ -183,7 +188,7 @@ class EngineProcess:
         report = self._receive_one()
         if not isinstance(report, StepReport):
             return
-        self.waiting, self.live, self.times = report.waiting, report.live, report.times
+        self.last_report = report
         for produced in report.produced:
             entry = self._requests.get(produced.request)
             if entry is None:  # cancelled meanwhile
@@ -202,10 +207,10 @@ class EngineProcess:
 
     def _stopped(self, error: BaseException) -> None:
         """The child is gone: every request in flight fails, and so does the health check from now on."""
-        if self.failure is None:
+        if self.loop_failed is None:
             code = self.process.poll()
-            self.failure = RuntimeError(f"the engine process stopped (exit code {code}): {error!r}")
-            logger.error("%s", self.failure)
+            self.loop_failed = RuntimeError(f"the engine process stopped (exit code {code}): {error!r}")
+            logger.error("%s", self.loop_failed)
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.remove_reader(self.connection.fileno())
         self._fail_all()
@@ -269,12 +274,9 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     connection = Connection(int(sys.argv[1]))
     spec: EngineSpec = connection.recv()
+    start = time.perf_counter()
     try:
-        torch.set_num_threads(spec.torch_threads)
-        start = time.perf_counter()
-        exported = load_exported(spec.export)
-        decoder = Decoder(exported.model, spec.max_batch, spec.precision, spec.device, spec.cuda_graphs, spec.compile)
-        engine = Engine(decoder, exported.tokenizer)
+        engine = spec.build()
     except Exception as error:
         logger.exception("the engine could not be built")
         connection.send(StartFailed(f"the engine could not be built: {error}"))
