@@ -5,7 +5,7 @@
     result.best_recipe     # <sweep dir>/best-lr.yaml: `python -m train --config <that path>`
 
 Results live in ``<storage>/sweeps/<name>/``: Tune's experiment state (``resume_sweep`` picks it
-up, Optuna's state and finished trials included), each trial's training run under ``trials/``,
+up, Optuna's state, ASHA's rungs and finished trials included), each trial's training run under ``trials/``,
 ``trials.csv``, the plots, and a copy of the best recipe.
 """
 
@@ -31,6 +31,7 @@ from train import checkpoint, storage
 from train.launch import ensure_dataset, init_ray, resources_offered
 from train.preflight import check_before_ray
 from train.schema import ConfigError, replace
+from tune.asha import AshaRungs
 from tune.config import SweepConfig, sweep_config_from_dict, tune_space
 from tune.plots import save_plots
 from tune.progress import NotebookProgress, in_notebook
@@ -215,15 +216,16 @@ def run_sweep_config(sweep: SweepConfig) -> SweepResult:
             storage_path=storage.absolute(storage.join(sweep.storage_root(), "sweeps")),
             failure_config=tune.FailureConfig(max_failures=sweep.max_failures),
             stop=SweepBudget(sweep),
-            callbacks=_callbacks(sweep),
+            callbacks=_callbacks(sweep, scheduler),
         ),
     )
     return summarize(sweep, tuner.fit(), data_path)
 
 
-def _callbacks(sweep: SweepConfig) -> list[Callback]:
+def _callbacks(sweep: SweepConfig, scheduler: ASHAScheduler | FIFOScheduler) -> list[Callback]:
     progress = [NotebookProgress(sweep.metric, list(sweep.space))] if in_notebook() else []
-    return progress + ([] if sweep.keep_trial_checkpoints else [DropEndedTrialCheckpoints(sweep)])
+    rungs = [AshaRungs(scheduler)] if isinstance(scheduler, ASHAScheduler) else []
+    return progress + rungs + ([] if sweep.keep_trial_checkpoints else [DropEndedTrialCheckpoints(sweep)])
 
 
 def resume_sweep(path: str) -> SweepResult:
