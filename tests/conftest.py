@@ -19,7 +19,8 @@ from ray.cluster_utils import Cluster
 
 from train.config import TrainConfig, load_config
 from train.export import save_export
-from train.model import GPT, ModelConfig
+from train.model import GPT
+from train.model_config import ModelConfig
 from train.process_group import free_port
 from train.tokenizer import ByteTokenizer
 

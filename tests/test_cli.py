@@ -126,6 +126,22 @@ def test_help_documents_the_settings(cli):
         assert fragment in text, fragment
 
 
+@pytest.mark.unit
+def test_train_answers_a_config_typo_help_and_print_config_without_loading_torch_deepspeed_or_ray():
+    """Importing those takes seconds; a config error, --help and --print-config need none of them."""
+    code = (
+        "import contextlib, io, sys\n"
+        "from train.__main__ import main\n"
+        "assert main(['--set', 'optim.lrr=1']) == 2 and main(['--print-config']) == 0\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "    main(['--help'])\n"
+        "print(sorted(set(sys.modules) & {'torch', 'deepspeed', 'ray'}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert done.returncode == 0 and "config error: unknown key optim.lrr" in done.stderr, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1] == "[]"
+
+
 def test_a_failing_ray_start_is_one_line_with_its_reason(tmp_path):
     """`cluster up --local` where `ray` cannot start: its reason on one line, exit 1, no state left behind."""
     env = {**os.environ, "HOME": str(tmp_path), "PATH": str(tmp_path)}  # no `ray` executable on PATH

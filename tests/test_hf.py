@@ -23,7 +23,8 @@ from train.ds_config import build_engine
 from train.export import load_exported
 from train.hf_gpt2 import from_hf_state, hf_config, load_weights, model_config_from_hf, to_hf_state
 from train.launch import run_training
-from train.model import GPT, ModelConfig
+from train.model import GPT
+from train.model_config import ModelConfig
 from train.schema import ConfigError
 from train.tokenizer import EOT, load_tokenizer, train_bpe
 

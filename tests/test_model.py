@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from train.model import GPT, ModelConfig, flops_per_token
+from train.model import GPT, flops_per_token
+from train.model_config import ModelConfig
 
 pytestmark = pytest.mark.unit
 

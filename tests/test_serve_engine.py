@@ -15,7 +15,8 @@ from serve.sampling import next_token as next_token_tensor
 from serve.textstream import TextStream
 from tests.conftest import MEMORIZED_TEXT
 from train.export import load_exported
-from train.model import GPT, ModelConfig
+from train.model import GPT
+from train.model_config import ModelConfig
 from train.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.unit

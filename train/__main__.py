@@ -4,7 +4,6 @@ import sys
 
 from train.cli import config_errors_exit_2, config_parser, print_config
 from train.config import TrainConfig, load_config, recipe_names
-from train.preflight import check_before_ray, check_resume
 
 
 @config_errors_exit_2
@@ -20,9 +19,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print_config(cfg)
         return 0
+    # torch, DeepSpeed and Ray load only now: a typo in the config is answered in about a second.
+    from train.preflight import check_before_ray, check_resume
+
     check_before_ray(cfg)
     check_resume(cfg)
-    from train.launch import run_training  # Ray: after the config is checked
+    from train.launch import run_training
     from train.lease import RunOwnedError
     from train.loop import DivergedError
 

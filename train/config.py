@@ -14,7 +14,7 @@ from pydantic import Field, field_validator, model_validator
 from train import storage
 from train.batching import check_batch_divides
 from train.hf_gpt2 import read_model_config, weight_files
-from train.model import ModelConfig
+from train.model_config import ModelConfig
 from train.schema import ConfigError, Name, Section, find_config_file, parse, read_tree, replace, shipped_names
 from train.tokenizer import MAX_VOCAB, ByteTokenizer, load_tokenizer
 

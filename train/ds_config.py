@@ -13,7 +13,8 @@ from deepspeed.accelerator import get_accelerator
 
 from train.batching import grad_accum_steps
 from train.config import TrainConfig
-from train.model import ModelConfig, param_sizes
+from train.model import param_sizes
+from train.model_config import ModelConfig
 
 
 def build_ds_config(cfg: TrainConfig, world_size: int, load_universal: bool = False) -> dict[str, Any]:

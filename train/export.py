@@ -17,7 +17,8 @@ from safetensors.torch import save as save_safetensors
 
 from train import storage
 from train.hf_gpt2 import CONFIG, WEIGHTS, hf_config, load_weights, read_model_config, to_hf_state
-from train.model import GPT, ModelConfig
+from train.model import GPT
+from train.model_config import ModelConfig
 from train.tokenizer import EOT, BPETokenizer, load_tokenizer, save_tokenizer
 
 PROVENANCE = "raywright.json"

@@ -7,16 +7,20 @@ embeddings); only the names differ, and GPT-2 stores its four projection weights
 Reading needs neither ``transformers`` nor pickle: JSON and safetensors only.
 """
 
+from __future__ import annotations
+
 import json
 import math
 import re
-from typing import Any
-
-import torch
-from safetensors.torch import load as load_safetensors
+from typing import TYPE_CHECKING, Any
 
 from train import storage
-from train.model import GPT, ModelConfig
+from train.model_config import ModelConfig
+
+if TYPE_CHECKING:  # the config half of this module (read_model_config, weight_files) needs no torch
+    import torch
+
+    from train.model import GPT
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -165,6 +169,8 @@ def weight_files(location: str) -> list[str]:
 
 def load_weights(model: GPT, location: str) -> None:
     """Load the GPT-2 weights of the directory ``location`` into ``model`` (shapes must agree)."""
+    from safetensors.torch import load as load_safetensors  # torch: imported where weights are loaded
+
     hf = {}
     for name in weight_files(location):
         hf.update(load_safetensors(storage.read_bytes(storage.join(location, name))))
