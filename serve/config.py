@@ -5,8 +5,10 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from serve.precision import Precision
 from train.schema import Section, parse, read_tree
+
+# The served weights' and compute's precision (serve/precision.py); named here, where no torch is needed.
+Precision = Literal["fp32", "bf16", "int8", "fp8"]
 
 
 class ServeConfig(Section):

@@ -15,12 +15,13 @@ On a GPU, ``int8`` (weight-only) and ``fp8`` (float8 weights and activations, ro
 torchao, the usual route there.
 """
 
-from typing import Literal, get_args
+from typing import get_args
 
 import torch
 from torch import nn
 
-Precision = Literal["fp32", "bf16", "int8", "fp8"]
+from serve.config import Precision
+
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 
 

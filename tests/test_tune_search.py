@@ -5,8 +5,9 @@ import optuna
 import pytest
 
 from train.schema import ConfigError
-from tune.config import sweep_config_from_dict, tune_space
+from tune.config import sweep_config_from_dict
 from tune.search import ExploringTPESampler, StepAwareOptunaSearch
+from tune.sweep import tune_space
 
 pytestmark = pytest.mark.unit
 

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
-from ray import tune
 
 from train.config import TrainConfig, load_config
 from train.schema import ConfigError, Name, Section, find_config_file, parse, read_tree, shipped_names
@@ -176,20 +175,6 @@ def check_space(sweep: SweepConfig) -> None:
         except ConfigError as exc:
             combo = dict(zip(candidates, values, strict=True))
             raise ConfigError(f"space: the combination {combo} gives an invalid training config: {exc}") from None
-
-
-def tune_space(space: dict[str, dict]) -> dict[str, Any]:
-    """The space as Ray Tune search domains (OptunaSearch converts them to Optuna distributions)."""
-    domains = {}
-    for key, spec in space.items():
-        ((kind, args),) = spec.items()
-        if kind == "choice":
-            domains[key] = tune.choice(args)
-        elif kind == "int":
-            domains[key] = tune.randint(args[0], args[1] + 1)  # inclusive of high, as written
-        else:
-            domains[key] = (tune.loguniform if kind == "loguniform" else tune.uniform)(*args)
-    return domains
 
 
 def sweep_config_from_dict(values: dict[str, Any]) -> SweepConfig:

@@ -32,7 +32,7 @@ from train.launch import ensure_dataset, init_ray, resources_offered
 from train.preflight import check_before_ray
 from train.schema import ConfigError, replace
 from tune.asha import AshaRungs
-from tune.config import SweepConfig, sweep_config_from_dict, tune_space
+from tune.config import SweepConfig, sweep_config_from_dict
 from tune.plots import save_plots
 from tune.progress import NotebookProgress, in_notebook
 from tune.search import ExploringTPESampler, StepAwareOptunaSearch
@@ -160,6 +160,20 @@ def _wait_for_trial_processes(timeout_s: float = 30.0) -> None:
             time.sleep(0.5)
     except Exception as exc:  # the state API needs Ray's dashboard; without it, do not wait
         logger.warning("could not see whether the trials have exited: %s", exc)
+
+
+def tune_space(space: dict[str, dict]) -> dict[str, Any]:
+    """The space as Ray Tune search domains (OptunaSearch converts them to Optuna distributions)."""
+    domains = {}
+    for key, spec in space.items():
+        ((kind, args),) = spec.items()
+        if kind == "choice":
+            domains[key] = tune.choice(args)
+        elif kind == "int":
+            domains[key] = tune.randint(args[0], args[1] + 1)  # inclusive of high, as written
+        else:
+            domains[key] = (tune.loguniform if kind == "loguniform" else tune.uniform)(*args)
+    return domains
 
 
 def _tuner_parts(sweep: SweepConfig):
