@@ -12,6 +12,7 @@ and its health check, so that Serve replaces it.
 """
 
 import asyncio
+import faulthandler
 import itertools
 import logging
 import multiprocessing
@@ -271,6 +272,9 @@ async def _serve_engine(connection: Connection, engine: Engine) -> None:
 
 
 def main() -> None:
+    # A crash (a signal: CUDA, a native extension) would end the process without a word: its stack goes to
+    # stderr, the replica's log, beside the replica's "the engine process stopped (exit code -N)".
+    faulthandler.enable()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     connection = Connection(int(sys.argv[1]))
     spec: EngineSpec = connection.recv()

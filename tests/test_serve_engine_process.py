@@ -1,7 +1,9 @@
 """The decode loop in a child process (serve/engine_process.py), without Ray: what a replica relies on."""
 
 import asyncio
+import os
 import shutil
+import signal
 from dataclasses import replace
 
 import pytest
@@ -63,9 +65,9 @@ def test_requests_through_the_engine_process_get_the_in_process_engine_text(memo
     assert text_of(after) == " aus " and engine.loop_failed is None
 
 
-def test_a_dead_engine_process_fails_its_requests_and_the_health_check(memorized_export):
+def test_a_crashed_engine_process_fails_its_requests_and_the_health_check(memorized_export, capfd):
     """Its requests in flight and any later one end with an error instead of waiting; ``loop_failed`` (the
-    replica's health check) says why, so that Serve replaces the replica."""
+    replica's health check) says why, so that Serve replaces the replica; the crash's stack is in the log."""
     engine = EngineProcess(spec(memorized_export, 2))
     long = GenerationParams(max_tokens=400, temperature=0.0)
 
@@ -74,7 +76,7 @@ def test_a_dead_engine_process_fails_its_requests_and_the_health_check(memorized
             request = asyncio.create_task(generated(engine, "K", long))
             while engine.in_flight == 0:
                 await asyncio.sleep(0.01)
-            engine.process.kill()
+            os.kill(engine.process.pid, signal.SIGSEGV)
             return await request, await generated(engine, "Grüße", long)
 
     try:
@@ -82,7 +84,8 @@ def test_a_dead_engine_process_fails_its_requests_and_the_health_check(memorized
     finally:
         engine.close()
     assert in_flight[-1] == Chunk(GENERATION_FAILED, "error", 0) and later == [in_flight[-1]]
-    assert "engine process stopped" in str(engine.loop_failed)
+    assert f"engine process stopped (exit code -{signal.SIGSEGV})" in str(engine.loop_failed)
+    assert "Fatal Python error: Segmentation fault" in capfd.readouterr().err
 
 
 def test_an_engine_that_cannot_be_built_says_why(memorized_export, tmp_path):
