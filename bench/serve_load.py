@@ -25,6 +25,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections import Counter
 from dataclasses import fields, replace
 
 import aiohttp
@@ -74,24 +75,26 @@ def prompts_from(rows: np.ndarray, count: int, seed: int = 0) -> list[str]:
 
 
 async def load(url: str, clients: int, seconds: float, prompts: list[str], max_tokens: int) -> dict:
-    """``clients`` closed-loop clients for ``seconds``; requests/s, tokens/s and latency percentiles."""
-    latencies, tokens, failures = [], [], 0
+    """``clients`` closed-loop clients for ``seconds``; requests/s, tokens/s and latency percentiles, and the
+    failed requests' statuses with the first one's reply (None where none succeeded)."""
+    latencies, tokens, failures, first_failure = [], [], Counter(), None
     deadline = time.perf_counter() + seconds
 
     async def client(index: int, session: aiohttp.ClientSession) -> None:
-        nonlocal failures
+        nonlocal first_failure
         i = index
         while time.perf_counter() < deadline:
             body = {"prompt": prompts[i % len(prompts)], "max_tokens": max_tokens, "temperature": 0}
             i += clients
             start = time.perf_counter()
             async with session.post(f"{url}/v1/completions", json=body) as reply:
-                result = await reply.json()
+                text = await reply.text()
             if reply.status != 200:
-                failures += 1
+                failures[reply.status] += 1
+                first_failure = first_failure or f"{reply.status}: {text[:300]}"
                 continue
             latencies.append(time.perf_counter() - start)
-            tokens.append(result["usage"]["completion_tokens"])
+            tokens.append(json.loads(text)["usage"]["completion_tokens"])
 
     start = time.perf_counter()
     timeout = aiohttp.ClientTimeout(total=600)
@@ -102,9 +105,11 @@ async def load(url: str, clients: int, seconds: float, prompts: list[str], max_t
     return {
         "requests_per_s": len(latencies) / wall,
         "tokens_per_s": sum(tokens) / wall,
-        "p50_s": statistics.median(latencies),
-        "p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
-        "failures": failures,
+        "p50_s": statistics.median(latencies) if latencies else None,
+        "p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] if latencies else None,
+        "failures": sum(failures.values()),
+        "failure_statuses": dict(failures),
+        "first_failure": first_failure,
     }
 
 
