@@ -169,7 +169,8 @@ def haproxy_servers() -> list[str]:
 def http_load(export: str, precision: str, device: str, seconds: float, max_tokens: int, ingress: str) -> dict:
     """64 closed-loop clients for ``seconds`` through one Serve replica on a local Ray with ``ingress`` in
     front (HAProxy or Serve's Python proxy), after a 5 s warm-up; where the replica's decode loop's time went,
-    and how long it took to start; what failed, if anything (with HAProxy, its view of the replica too)."""
+    how long it took to start, and the same load for one token (the request path's own cost); what failed,
+    if anything (with HAProxy, its view of the replica too)."""
     for name in HAPROXY_ENV:
         os.environ.pop(name, None)
     if ingress == "haproxy":
@@ -197,6 +198,8 @@ def http_load(export: str, precision: str, device: str, seconds: float, max_toke
         print(json.dumps(http, indent=2), flush=True)
     else:
         http["decode_loop"] = loop_summary(before, replica_loop_times(url))
+        # The request path's own cost at this load: the same clients asking for one token each.
+        http["one_token"] = asyncio.run(load(url, 64, 5.0, texts, 1))
     serve.shutdown()
     ray.shutdown()
     return http
