@@ -35,6 +35,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import ray
 import torch
 from serve_load import engine_throughput, load, loop_summary, perplexity
@@ -166,10 +167,26 @@ def haproxy_servers() -> list[str]:
     return [" ".join(f"{c}={row.get(c)}" for c in columns) for row in rows if row.get("svname") != "FRONTEND"]
 
 
+# The processes a request passes through, by what their command lines hold.
+SERVING_PROCESSES = {"proxy": "ProxyActor", "replica": "ServeReplica", "engine": "engine_process", "haproxy": "haproxy"}
+
+
+def serving_cpu_seconds() -> dict[str, float]:
+    """CPU seconds each serving process has used so far (summed over processes of one kind)."""
+    used = dict.fromkeys(SERVING_PROCESSES, 0.0)
+    for process in psutil.process_iter(["cmdline", "cpu_times"]):
+        command = " ".join(process.info["cmdline"] or [])
+        for kind, mark in SERVING_PROCESSES.items():
+            if mark in command and process.info["cpu_times"] is not None:
+                used[kind] += process.info["cpu_times"].user + process.info["cpu_times"].system
+    return used
+
+
 def http_load(export: str, precision: str, device: str, seconds: float, max_tokens: int, ingress: str) -> dict:
     """64 closed-loop clients for ``seconds`` through one Serve replica on a local Ray with ``ingress`` in
     front (HAProxy or Serve's Python proxy), after a 5 s warm-up; where the replica's decode loop's time went,
-    how long it took to start, and the same load for one token (the request path's own cost); what failed,
+    how long it took to start, the cores each serving process used, and the same load for one token (the
+    request path's own cost); what failed,
     if anything (with HAProxy, its view of the replica too)."""
     for name in HAPROXY_ENV:
         os.environ.pop(name, None)
@@ -189,8 +206,11 @@ def http_load(export: str, precision: str, device: str, seconds: float, max_toke
     texts = prompts(256)
     warm_up = asyncio.run(load(url, 64, 5.0, texts, max_tokens))  # captures the graphs
     print(f"warm-up through {ingress}: {json.dumps(warm_up)}", flush=True)
-    before = replica_loop_times(url)
+    before, cpu_before, start = replica_loop_times(url), serving_cpu_seconds(), time.perf_counter()
     http = asyncio.run(load(url, 64, seconds, texts, max_tokens))
+    cpu_after, wall = serving_cpu_seconds(), time.perf_counter() - start
+    # A process near 1.0 is saturated (Python serves on one thread): requests queue in it.
+    http["cores_used"] = {kind: (cpu_after[kind] - cpu_before[kind]) / wall for kind in SERVING_PROCESSES}
     http["replica_start_s"] = replica_start_s
     if ingress == "haproxy":
         http["haproxy_servers"] = haproxy_servers()
