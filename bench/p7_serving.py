@@ -42,13 +42,14 @@ from serve_load import engine_throughput, load, loop_summary, perplexity
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from serve.app import build_app, resolve_export
+from serve.app import build_app
 from serve.decoder import Decoder
 from serve.engine import Engine, GenerationParams, LoopTimes, Sequence
 from train.config import config_from_dict, load_config
 from train.data import dataset_path, load_split
 from train.export import load_exported, save_export
 from train.model import GPT
+from train.run_layout import resolve_export
 from train.tokenizer import ByteTokenizer
 
 BATCHES = (1, 32, 64)

@@ -34,12 +34,13 @@ import ray
 import torch
 from ray import serve
 
-from serve.app import build_app, resolve_export
+from serve.app import build_app
 from serve.decoder import Decoder
 from serve.engine import ContinuousBatcher, Engine, GenerationParams, LoopTimes, Sequence
 from train.config import config_from_dict, load_config
 from train.data import dataset_path, load_split
 from train.export import load_exported
+from train.run_layout import resolve_export
 
 CLIENTS = (1, 8, 32, 64)
 PROMPT_BYTES = 32

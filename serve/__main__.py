@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print_config(cfg)
         return 0
-    from serve.app import resolve_export  # imports Ray Serve: only after the config is valid
+    from train.run_layout import resolve_export
 
     try:
         resolve_export(cfg.checkpoint)

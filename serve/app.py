@@ -36,8 +36,9 @@ from serve.engine import Chunk, ContinuousBatcher, GenerationParams, Sequence, j
 from serve.engine_process import EngineProcess, EngineSpec
 from serve.sampling import TokenLogprob
 from train import storage
-from train.export import export_name, export_uri
-from train.hf_gpt2 import CONFIG, read_model_config
+from train.export import export_name
+from train.hf_gpt2 import read_model_config
+from train.run_layout import resolve_export
 from train.tokenizer import EOT, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -171,20 +172,6 @@ async def require_api_key(request: Request) -> None:
     given = request.headers.get("authorization", "")
     if key and not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
         raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)")
-
-
-def resolve_export(checkpoint: str) -> str:
-    """A model directory (a training export or any GPT-2 HF directory), given itself or the run dir holding it."""
-    if storage.exists(storage.join(checkpoint, CONFIG)):
-        return checkpoint
-    if storage.exists(storage.join(export_uri(checkpoint), CONFIG)):
-        return export_uri(checkpoint)
-    from train.checkpoint import CHECKPOINTS  # DeepSpeed's import: only where there is no model to serve
-
-    hint = ""
-    if storage.exists(storage.join(checkpoint, CHECKPOINTS)):  # a run that has not ended (or did not export)
-        hint = f"; export one of its checkpoints first: python -m train.export_checkpoint {checkpoint}"
-    raise FileNotFoundError(f"checkpoint: no {CONFIG} in {checkpoint} or in its export/ directory{hint}")
 
 
 def chat_template(location: str) -> str | None:

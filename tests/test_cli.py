@@ -130,7 +130,8 @@ def test_help_documents_the_settings(cli):
 QUICK_ANSWERS = {
     "train": (["--set", "optim.lrr=1"], "unknown key optim.lrr", ["--print-config"]),
     "tune": (["--config", "tiny", "--set", "num_trials=0"], "num_trials", ["--config", "tiny", "--print-config"]),
-    "serve": (["--checkpoint", "x", "--set", "precision=int4"], "precision", ["--checkpoint", "x", "--print-config"]),
+    # After a valid config, the checkpoint's path: no model there is answered as quickly.
+    "serve": (["--checkpoint", "/nonexistent/run"], "no config.json", ["--checkpoint", "x", "--print-config"]),
 }
 
 

@@ -12,10 +12,10 @@ import torch
 from train import checkpoint, storage
 from train.config import load_config
 from train.data import load_manifest
-from train.export import export_uri
 from train.launch import ELASTIC_SUMMARY, loop_args, run_training, run_uri
 from train.loop import DivergedError, train_loop
 from train.metrics import read_metrics
+from train.run_layout import export_uri
 
 pytestmark = pytest.mark.cluster
 

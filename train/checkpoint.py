@@ -29,11 +29,11 @@ from deepspeed.checkpoint import ds_to_universal
 
 from train import storage
 from train.checkpoint_writer import BackgroundWriter
+from train.run_layout import CHECKPOINTS
 from train.tokenizer import BPETokenizer, save_tokenizer
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINTS = "checkpoints"
 METADATA = "metadata.json"
 UNIVERSAL = "universal"
 # Metadata: the optimizer state is in two parameter groups, biases and LayerNorms undecayed (train/ds_config.py).

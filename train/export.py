@@ -19,6 +19,7 @@ from train import storage
 from train.hf_gpt2 import CONFIG, WEIGHTS, hf_config, load_weights, read_model_config, to_hf_state
 from train.model import GPT
 from train.model_config import ModelConfig
+from train.run_layout import export_uri
 from train.tokenizer import EOT, BPETokenizer, load_tokenizer, save_tokenizer
 
 PROVENANCE = "raywright.json"
@@ -30,10 +31,6 @@ class Exported:
     tokenizer: BPETokenizer
     name: str  # the training run's name, or the directory's name for a model raywright did not train
     provenance: dict[str, Any]  # empty for a model raywright did not train
-
-
-def export_uri(run_uri: str) -> str:
-    return storage.join(run_uri, "export")
 
 
 def export_model(engine, model_config: ModelConfig, tokenizer: BPETokenizer, uri: str, provenance: dict) -> None:

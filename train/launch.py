@@ -20,11 +20,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from train import checkpoint, storage
 from train.config import TrainConfig
 from train.data import dataset_path, load_manifest, manifest_sha256, prepare
-from train.export import export_uri
 from train.lease import Lease
 from train.loop import DivergedError, train_loop
 from train.metrics import MetricsRecorder, read_metrics
 from train.preflight import check_dataset_matches, cluster_address
+from train.run_layout import export_uri
 from train.scaling_policy import ElasticTorchTrainer
 from train.schema import replace
 from train.timeline import TIMELINE_PREFIX, RunTimeline

@@ -27,7 +27,7 @@ from train.data import load_split
 from train.decisions import Notice, Rank0View, StepPolicy, share_rank0_view
 from train.ds_config import build_engine, compiles
 from train.early_checkpoint import latest_checkpoint_request, record_checkpoint
-from train.export import export_model, export_uri
+from train.export import export_model
 from train.hf_gpt2 import load_weights
 from train.loader import SampleOrder, micro_batch_samples
 from train.memory import plan_memory, worker_capacity_bytes
@@ -35,6 +35,7 @@ from train.metrics import format_progress, memory_gb, peak_tflops
 from train.model import GPT, flops_per_token
 from train.profiling import StepProfiler
 from train.run_files import JsonlLog
+from train.run_layout import export_uri
 from train.schedule import lr_at
 from train.schema import replace
 from train.timeline import describe_resize
