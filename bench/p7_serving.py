@@ -187,8 +187,7 @@ def http_load(export: str, precision: str, device: str, seconds: float, max_toke
     """64 closed-loop clients for ``seconds`` through one Serve replica on a local Ray with ``ingress`` in
     front (HAProxy or Serve's Python proxy), after a 5 s warm-up; where the replica's decode loop's time went,
     how long it took to start, the cores each serving process used, and the same load for one token (the
-    request path's own cost); what failed,
-    if anything (with HAProxy, its view of the replica too)."""
+    request path's own cost); what failed, if anything (with HAProxy, its view of the replica too)."""
     for name in HAPROXY_ENV:
         os.environ.pop(name, None)
     if ingress == "haproxy":
