@@ -183,11 +183,14 @@ def serving_cpu_seconds() -> dict[str, float]:
     return used
 
 
-def http_load(export: str, precision: str, device: str, seconds: float, max_tokens: int, ingress: str) -> dict:
-    """64 closed-loop clients for ``seconds`` through one Serve replica on a local Ray with ``ingress`` in
-    front (HAProxy or Serve's Python proxy), after a 5 s warm-up; where the replica's decode loop's time went,
-    how long it took to start, the cores each serving process used, and the same load for one token (the
-    request path's own cost); what failed, if anything (with HAProxy, its view of the replica too)."""
+def http_load(
+    export: str, precision: str, device: str, seconds: float, max_tokens: int, texts: list[str], ingress: str
+) -> dict:
+    """64 closed-loop clients asking to continue ``texts`` for ``seconds`` through one Serve replica on a local
+    Ray with ``ingress`` in front (HAProxy or Serve's Python proxy), after a 5 s warm-up; where the replica's
+    decode loop's time went, how long it took to start, the cores each serving process used, and the same load
+    for one token (the request path's own cost); what failed, if anything (with HAProxy, its view of the
+    replica too)."""
     for name in HAPROXY_ENV:
         os.environ.pop(name, None)
     if ingress == "haproxy":
@@ -203,7 +206,6 @@ def http_load(export: str, precision: str, device: str, seconds: float, max_toke
     serve.run(build_app({**config, "max_ongoing_requests": 64, "max_queued_requests": 1024}), name="p7")
     replica_start_s = time.perf_counter() - start  # on a GPU, with the decode step's compilation
     print(f"the replica was ready in {replica_start_s:.1f} s ({ingress} ingress)", flush=True)
-    texts = prompts(256)
     warm_up = asyncio.run(load(url, 64, 5.0, texts, max_tokens))  # captures the graphs
     print(f"warm-up through {ingress}: {json.dumps(warm_up)}", flush=True)
     before, cpu_before, start = replica_loop_times(url), serving_cpu_seconds(), time.perf_counter()
@@ -229,8 +231,9 @@ def http_over_engine(
     export: str, precision: str, device: str, seconds: float, max_tokens: int, ingresses: list[str]
 ) -> dict:
     """Requests/s through HTTP with each ingress in front ÷ the engine alone; the first is the headline."""
-    engine, engine_loop = engine_throughput(export, prompts(256), 64, seconds, max_tokens, precision, device)
-    http = {ingress: http_load(export, precision, device, seconds, max_tokens, ingress) for ingress in ingresses}
+    texts = prompts(256)
+    engine, engine_loop = engine_throughput(export, texts, 64, seconds, max_tokens, precision, device)
+    http = {ingress: http_load(export, precision, device, seconds, max_tokens, texts, ingress) for ingress in ingresses}
     for point in http.values():
         point["over_engine"] = point["requests_per_s"] / engine
     return {

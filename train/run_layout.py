@@ -17,8 +17,9 @@ def resolve_export(checkpoint: str) -> str:
     """A model directory (a training export or any GPT-2 HF directory), given itself or the run dir holding it."""
     if storage.exists(storage.join(checkpoint, CONFIG)):
         return checkpoint
-    if storage.exists(storage.join(export_uri(checkpoint), CONFIG)):
-        return export_uri(checkpoint)
+    export = export_uri(checkpoint)
+    if storage.exists(storage.join(export, CONFIG)):
+        return export
     hint = ""
     if storage.exists(storage.join(checkpoint, CHECKPOINTS)):  # a run that has not ended (or did not export)
         hint = f"; export one of its checkpoints first: python -m train.export_checkpoint {checkpoint}"
