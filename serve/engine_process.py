@@ -209,7 +209,11 @@ class EngineProcess:
     def _stopped(self, error: BaseException) -> None:
         """The child is gone: every request in flight fails, and so does the health check from now on."""
         if self.loop_failed is None:
-            code = self.process.poll()
+            # The pipe closes as the child dies, a moment before the kernel reports its exit code.
+            try:
+                code = self.process.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                code = None
             self.loop_failed = RuntimeError(f"the engine process stopped (exit code {code}): {error!r}")
             logger.error("%s", self.loop_failed)
             if self._loop is not None and not self._loop.is_closed():
