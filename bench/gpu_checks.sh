@@ -22,7 +22,8 @@
 # H200 (2026-11-27, two leases): p7-http 0.57 and 0.68 through Serve's proxy (~120 s with one ingress); ppl ~150 s;
 # the machine's start ~32 s. p7-http now also measures Ray's HAProxy ingress (--ingress proxy,haproxy; a Ray
 # and a replica start each, ~240 s in all): on the H200 its replica failed every request after 318, with its
-# engine process gone; the replica's log and HAProxy's view now go to p7_http.log, the child's stack if it crashes.
+# engine process gone (found on the CPU since and fixed: uvloop had made the replica's socket to it non-blocking);
+# the replica's log and HAProxy's view go to p7_http.log, the child's stack if it crashes.
 # For the lent GPU machine first run, here,
 #   SERVE=1 EXTRA_WHEELS="torchao==0.18.0 pytest pluggy iniconfig pygments psutil" ../shared/gpu/bundle.sh
 # (62 MB, under the 64 MiB a call may carry) and carry .gpu-wheels along: this script installs them (that
