@@ -167,7 +167,7 @@ class EngineProcess:
         loop = asyncio.get_running_loop()
         if loop is not self._loop and self.loop_failed is None:
             loop.add_reader(self.connection.fileno(), self._on_readable)
-            # uvloop (a Serve replica's loop where user code runs on the actor's own loop, as behind HAProxy)
+            # uvloop (a Serve replica's loop, whether user code runs on the actor's loop or a thread of its own)
             # makes a watched socket non-blocking: a report that had not wholly arrived then failed its recv
             # with BlockingIOError, read as the child gone. A blocking recv waits the microseconds for the rest.
             os.set_blocking(self.connection.fileno(), True)

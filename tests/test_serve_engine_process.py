@@ -67,10 +67,10 @@ def test_requests_through_the_engine_process_get_the_in_process_engine_text(memo
 
 
 def test_reports_larger_than_the_socket_buffer_arrive_whole_on_uvloop(memorized_export):
-    """A replica's loop is uvloop where Serve runs user code on the actor's own loop (behind HAProxy). It made the
-    socket non-blocking, and a report not yet wholly arrived failed as if the child had gone: every request
-    then ended in error with the child alive (on an H200, after 318 requests). Eight whole answers with 20
-    alternatives per token make one report of ~190 kB, which arrives in pieces."""
+    """A Serve replica's loop is uvloop, which made the socket non-blocking: a report not yet wholly arrived
+    failed as if the child had gone, and every request then ended in error with the child alive (on an H200,
+    after 318 requests). Eight whole answers with 20 alternatives per token make one report of ~190 kB, which
+    arrives in pieces."""
     engine = EngineProcess(spec(memorized_export, 8))
     params = GenerationParams(max_tokens=80, temperature=0.0, logprobs=20)
 
