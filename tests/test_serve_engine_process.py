@@ -66,7 +66,7 @@ def test_requests_through_the_engine_process_get_the_in_process_engine_text(memo
     assert text_of(after) == " aus " and engine.loop_failed is None
 
 
-def test_reports_larger_than_the_socket_buffer_arrive_whole_on_uvloop(memorized_export):
+def test_a_report_that_arrives_in_pieces_is_read_whole_on_uvloop(memorized_export):
     """A Serve replica's loop is uvloop, which made the socket non-blocking: a report not yet wholly arrived
     failed as if the child had gone, and every request then ended in error with the child alive (on an H200,
     after 318 requests). Eight whole answers with 20 alternatives per token make one report of ~190 kB, which
