@@ -45,6 +45,7 @@ from torch.profiler import ProfilerActivity, profile
 from serve.app import build_app
 from serve.decoder import Decoder
 from serve.engine import Engine, GenerationParams, LoopTimes, Sequence
+from serve.ingress import HAPROXY_ENV
 from train.config import config_from_dict, load_config
 from train.data import dataset_path, load_split
 from train.export import load_exported, save_export
@@ -54,11 +55,6 @@ from train.tokenizer import ByteTokenizer
 
 BATCHES = (1, 32, 64)
 PROMPT_BYTES = 32
-# Ray's high-throughput HTTP ingress (Ray 2.56+; ray[serve] brings the binary on Linux): HAProxy in front of each
-# ingress replica's own HTTP server, and Serve's throughput-optimized data plane. Serve's processes read these
-# when they start, so they are set before ray.init. That mode sends the replicas' logs nowhere; they are sent to
-# stderr here, so that a replica's failure shows in this run's log.
-HAPROXY_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_LOG_TO_STDERR": "1"}
 INGRESSES = ("proxy", "haproxy")
 
 

@@ -1,4 +1,4 @@
-"""python -m serve --checkpoint PATH [--config serve.yaml] [--set key=value ...] [--port 8000]
+"""python -m serve --checkpoint PATH [--config serve.yaml] [--set key=value ...] [--port 8000] [--ingress haproxy]
 
 Serves a training export on a local Ray (or the cluster in RAY_ADDRESS) until interrupted (Ctrl-C, or SIGTERM
 as ``kill``, ``docker stop`` and systemd send it), then shuts Serve down.
@@ -30,7 +30,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", help="training export or run directory (local path or URI)")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
+    parser.add_argument(
+        "--ingress",
+        choices=("proxy", "haproxy"),
+        default="proxy",
+        help="proxy: Serve's Python proxy (default); haproxy: Ray's HAProxy, 1.4-1.6x the requests/s on a CPU, "
+        "which also listens on all interfaces for its stats and metrics (8404, 9101) and on each replica's port "
+        "(local Ray only: a cluster sets it when it starts, see cluster.yaml)",
+    )
     args = parser.parse_args(argv)
+    if args.ingress == "haproxy" and os.environ.get("RAY_ADDRESS"):
+        raise ConfigError("--ingress haproxy: a running Ray's ingress is set when it starts (unset RAY_ADDRESS)")
     overrides = args.set + ([f"checkpoint={args.checkpoint}"] if args.checkpoint else [])
     cfg = load_serve_config(args.config, overrides)
     if args.print_config:
@@ -49,6 +59,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from serve.app import build_app
 
+    if args.ingress == "haproxy":
+        from serve.ingress import HAPROXY_ENV, HAPROXY_PORTS
+
+        os.environ.update(HAPROXY_ENV)  # before Ray starts Serve's processes, which inherit it
+        ports = ", ".join(os.environ.get(name, str(port)) for name, port in HAPROXY_PORTS.items())
+        print(f"warning: HAProxy's stats and metrics listen on all interfaces (ports {ports})", file=sys.stderr)
     ray.init(address=os.environ.get("RAY_ADDRESS", "local"))
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(build_app(cfg.to_dict()), name="raywright", route_prefix="/")

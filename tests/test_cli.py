@@ -177,3 +177,12 @@ def test_on_a_cluster_the_run_says_what_it_waits_for(ray_session, capsys):
     assert line.startswith("waiting for the cluster to add nodes offering {'accelerator': 1.0} per worker")
     say_what_the_cluster_lacks(load_config("tiny"))  # CPUs the session's head has: nothing to wait for
     assert capsys.readouterr().err == ""
+
+
+def test_serve_refuses_haproxy_on_a_running_ray(monkeypatch, capsys):
+    """Serve's ingress is read when Ray starts: on a Ray that runs already, the flag could not take effect."""
+    from serve.__main__ import main
+
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert main(["--checkpoint", "anything", "--ingress", "haproxy"]) == 2
+    assert "--ingress haproxy: a running Ray's ingress is set when it starts" in capsys.readouterr().err

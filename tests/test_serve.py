@@ -1,5 +1,6 @@
 """Real HTTP to real Ray Serve apps on 127.0.0.1: completions, streaming, batching, bad input, keys, overload."""
 
+import csv
 import json
 import math
 import os
@@ -214,11 +215,15 @@ def test_cli_rejects_a_bad_config_before_starting_ray(memorized_export, capsys):
     assert "max_batch_size" in capsys.readouterr().err
 
 
-def test_python_m_serve_serves_the_openai_client(memorized_export):
-    port = free_port()
+@pytest.mark.parametrize("ingress", ["proxy", "haproxy"])
+def test_python_m_serve_serves_the_openai_client(memorized_export, ingress):
+    """Behind Serve's proxy, and behind Ray's HAProxy, whose own count says the requests went through it."""
+    port, stats_port = free_port(), free_port()
     env = {**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="/tmp/rws-")}
+    env.update(RAY_SERVE_HAPROXY_STATS_PORT=str(stats_port), RAY_SERVE_HAPROXY_METRICS_PORT=str(free_port()))
     env.pop("RAY_ADDRESS", None)
     command = [sys.executable, "-m", "serve", "--checkpoint", memorized_export, "--port", str(port)]
+    command += ["--ingress", ingress]
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 180
@@ -231,6 +236,10 @@ def test_python_m_serve_serves_the_openai_client(memorized_export):
                 pass
             time.sleep(1)
         openai_roundtrip(f"http://127.0.0.1:{port}")
+        if ingress == "haproxy":
+            stats = requests.get(f"http://127.0.0.1:{stats_port}/stats;csv", timeout=10).text.lstrip("# ")
+            replicas = [row for row in csv.DictReader(stats.splitlines()) if row["svname"].startswith("SERVE_REPLICA")]
+            assert replicas and int(replicas[0]["hrsp_2xx"]) >= 2, stats
     finally:
         process.send_signal(signal.SIGTERM)  # stops it as Ctrl-C does
         try:
