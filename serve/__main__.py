@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         default="proxy",
         help="proxy: Serve's Python proxy (default); haproxy: Ray's HAProxy, 1.4-1.6x the requests/s on a CPU, "
         "which also listens on all interfaces for its stats and metrics (8404, 9101) and on each replica's port "
-        "(local Ray only: a cluster sets it when it starts, see cluster.yaml)",
+        "(local Ray only: a cluster sets it when it starts, see the README)",
     )
     args = parser.parse_args(argv)
     if args.ingress == "haproxy" and os.environ.get("RAY_ADDRESS"):
