@@ -102,7 +102,7 @@ def _config(dataset: str, storage: str, name: str, stage: int, num_workers: str,
             f"optim.max_steps={max_steps}",
             "checkpoint.every_steps=10",
             "checkpoint.keep_last=10",
-            "run.log_every=1",
+            "run.log_every=5",  # reports more often than Ray Train takes them (0.5 s) would slow every step
             f"run.eval_every={max_steps}",
             "run.eval_samples=36",
             "run.sample_log=true",

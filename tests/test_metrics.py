@@ -2,7 +2,7 @@
 
 import pytest
 
-from train.metrics import METRICS, steady_step_seconds
+from train.metrics import METRICS, report_backlog_warning, steady_step_seconds
 from train.run_files import JsonlLog
 
 pytestmark = pytest.mark.unit
@@ -26,3 +26,10 @@ def test_a_run_too_short_for_a_steady_step_time_is_told_what_to_change(tmp_path)
     write_reports(tmp_path / "run", [1, 5, 10])  # 10 steps, a report every 5: one window between first and last
     with pytest.raises(ValueError, match=r"optim.max_steps of at least 3 x run.log_every"):
         steady_step_seconds(str(tmp_path / "run"))
+
+
+def test_reports_faster_than_ray_train_takes_them_are_warned_of_with_the_log_every_that_keeps_up():
+    warning = report_backlog_warning(step_seconds=0.15, log_every=1, poll_seconds=0.5)
+    assert "run.log_every=1" in warning and "scaling.health_check_interval_s" in warning
+    assert warning.endswith("run.log_every=4 or more does not")
+    assert report_backlog_warning(step_seconds=0.15, log_every=4, poll_seconds=0.5) is None

@@ -127,7 +127,7 @@ class ScalingConfig(Section):
     worker_start_timeout_s: float = Field(30.0, gt=0.0)
     """How long a restart waits for the old size before shrinking."""
     health_check_interval_s: float = Field(0.5, gt=0.0)
-    """Ray Train's controller poll; its 2 s default slows every report."""
+    """Ray Train's controller poll, which takes one report per worker: its 2 s default slowed every report."""
 
     @property
     def min_workers(self) -> int:
@@ -175,7 +175,8 @@ class RunConfig(Section):
     seed: int = 0
     """Seeds the model's initialization and the data order."""
     log_every: int = Field(10, ge=1)
-    """Steps between metric reports."""
+    """Steps between metric reports; Ray Train takes one a scaling.health_check_interval_s, so more often than
+    that holds training back (the run warns)."""
     eval_every: int = Field(50, ge=1)
     """Steps between validation passes (and one at the end)."""
     eval_samples: int = Field(256, ge=1)

@@ -31,7 +31,7 @@ from train.export import export_model
 from train.hf_gpt2 import load_weights
 from train.loader import SampleOrder, micro_batch_samples
 from train.memory import plan_memory, worker_capacity_bytes
-from train.metrics import format_progress, memory_gb, peak_tflops
+from train.metrics import format_progress, memory_gb, peak_tflops, report_backlog_warning
 from train.model import GPT, flops_per_token
 from train.profiling import StepProfiler
 from train.run_files import JsonlLog
@@ -189,6 +189,8 @@ class Trainer:
         log = cfg.run.sample_log and self.rank == 0
         self.sample_log = JsonlLog(storage.join(self.run_uri, SAMPLE_LOG)) if log else None
         self.preemption_check_every = 1  # steps between pre-emption checks; set from the step time at each loss report
+        # Whether reports may outpace Ray Train's controller: checked once, where the reports go to it.
+        self.backlog_unchecked = report is ray.train.report
         self.steps_to_preemption_check = 1
         self.last_save = time.time()  # the time-based schedule starts with the attempt
         # Early-checkpoint requests up to this time are answered (by the checkpoint resumed from, if any).
@@ -365,6 +367,12 @@ class Trainer:
             raise self._diverged(f"the training loss up to step {self.step} is {loss}")
         tokens_per_s = cfg.optim.global_batch_size * cfg.model.seq_len / step_time
         self.preemption_check_every = max(1, round(cfg.checkpoint.preemption_check_s / step_time))
+        if self.rank == 0 and self.backlog_unchecked and self.step > self.first_step:  # past the first, slow, step
+            self.backlog_unchecked = False
+            poll = os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", cfg.scaling.health_check_interval_s)
+            warning = report_backlog_warning(step_time, cfg.run.log_every, float(poll))
+            if warning:
+                print(warning, flush=True)
         peak = self.peak
         return {
             "step": self.step,

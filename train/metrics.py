@@ -7,6 +7,7 @@ installed, to TensorBoard event files in ``<run>/tensorboard``, wherever the run
 
 import functools
 import logging
+import math
 import resource
 import time
 from typing import Any
@@ -51,6 +52,20 @@ def format_progress(m: dict[str, Any], max_steps: int) -> str:
     if "val_loss" in m:
         parts.append(f"val_loss {m['val_loss']:.4f} (ppl {m['val_perplexity']:.2f}, {m['val_bpb']:.3f} bits/byte)")
     return " | ".join(parts)
+
+
+def report_backlog_warning(step_seconds: float, log_every: int, poll_seconds: float) -> str | None:
+    """A warning where the run reports more often than Ray Train's controller takes reports (at each poll of the
+    workers, one report per worker): each report then waits for the one before it, and training with it (tiny
+    model on 2 CPU workers, 0.5 s polls: 99 steps of 0.15 s took 51 s with a report each, 17 s with one every 10).
+    """
+    if step_seconds * log_every >= poll_seconds:
+        return None
+    return (
+        f"warning: a report every {step_seconds * log_every:.2f} s (run.log_every={log_every}) comes faster than "
+        f"Ray Train takes them (every {poll_seconds:g} s, scaling.health_check_interval_s): training waits for "
+        f"each; run.log_every={math.ceil(poll_seconds / step_seconds)} or more does not"
+    )
 
 
 class MetricsRecorder(UserCallback):
