@@ -24,14 +24,18 @@ def test_resizes_redone_steps_goodput_and_cost(ray_session, monkeypatch):
     timeline.step_done(3, seconds=10.0, end=60.0)
     timeline.preemption_notice()
     timeline.checkpoint_saved(3, "preemption")
-    timeline.attempt_started(2, [node] * 2, resumed_step=3)
+    timeline.attempt_started(2, [node] * 2, resumed_step=3, resumed_checkpoint={"step": 3, "reason": "x", "time": 1.0})
     timeline.step_done(4, seconds=10.0, end=90.0)
+    # A checkpoint whose record its attempt, stopped right after it counted, never sent: the next attempt's.
+    lost = {"step": 4, "reason": "requested", "time": 95.0}
+    timeline.attempt_started(3, [node] * 3, resumed_step=4, resumed_checkpoint=lost)
     timeline.finished()
 
     summary = timeline.summary()
     assert [(r["from"], r["to"], r["reason"], r["steps_redone"]) for r in summary["resizes"]] == [
         (3, 2, "node lost", 1),
         (2, 2, "preemption", 0),
+        (2, 3, "capacity returned", 0),
     ]
     # From the end of the last step before (t=30) to the start of the first one after (t=60-10).
     assert summary["resizes"][0]["seconds_lost"] == pytest.approx(20.0)
@@ -40,8 +44,9 @@ def test_resizes_redone_steps_goodput_and_cost(ray_session, monkeypatch):
         "resize 3 -> 2 workers (node lost): 20.0 s lost "
         "(workers up 12.0 s, data 1.0 s, convert 4.0 s, engine 2.0 s, load 1.0 s), 1 steps redone"
     )
-    assert summary["restarts"] == 2 and summary["steps_redone"] == 1
+    assert summary["restarts"] == 3 and summary["steps_redone"] == 1
     assert summary["step_s"] == 40.0  # steps 1-4 once each; the first run of step 3 does not count
     assert summary["goodput"] == pytest.approx(40.0 / summary["wall_s"])
     assert summary["cost"] == pytest.approx(summary["cost_on_demand_only"])  # the head node has no "spot"
-    assert summary["checkpoints"][0]["reason"] == "preemption"
+    assert [(c["step"], c["reason"]) for c in summary["checkpoints"]] == [(3, "preemption"), (4, "requested")]
+    assert summary["checkpoints"][-1] == lost

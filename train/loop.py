@@ -241,7 +241,10 @@ class Trainer:
         node_ids = [None] * world
         dist.all_gather_object(node_ids, ray.get_runtime_context().get_node_id())
         if self.timeline:
-            self.timeline.attempt_started.remote(world, node_ids, self.step, self.startup)
+            resumed = (
+                {"step": latest["step"], "reason": latest.get("reason", ""), "time": latest["time"]} if latest else None
+            )
+            self.timeline.attempt_started.remote(world, node_ids, self.step, self.startup, resumed)
         return latest
 
     def _with_memory_plan(self, latest: dict[str, Any] | None) -> TrainConfig:

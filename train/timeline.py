@@ -79,10 +79,16 @@ class Timeline:
         self.state = TimelineState()
 
     def attempt_started(
-        self, world_size: int, node_ids: list[str], resumed_step: int, startup: dict[str, float] | None = None
+        self,
+        world_size: int,
+        node_ids: list[str],
+        resumed_step: int,
+        startup: dict[str, float] | None = None,
+        resumed_checkpoint: dict[str, Any] | None = None,
     ) -> None:
         """``startup``: when rank 0 entered the training function (``entered``) and the seconds it then
-        spent on each phase of the start (``RESTART_PHASES``)."""
+        spent on each phase of the start (``RESTART_PHASES``). ``resumed_checkpoint``: the step, reason and time
+        of the checkpoint resumed from."""
         now = time.time()
         resources = {n["NodeID"]: n["Resources"] for n in ray.nodes()}
         types = {n: node_price_type(resources.get(n, {}), self.prices, self.on_demand_type) for n in set(node_ids)}
@@ -90,6 +96,11 @@ class Timeline:
         if self.state.attempts:
             previous = self.state.attempts[-1]
             previous.end = previous.end or now
+            # A checkpoint is recorded after it counts: a restart in between (the grow it answered, a node lost)
+            # can stop its attempt before the record is sent.
+            saved = {checkpoint["step"] for checkpoint in self.state.checkpoints}
+            if resumed_checkpoint and resumed_checkpoint["step"] not in saved:
+                self.state.checkpoints.append(resumed_checkpoint)
             # Steps after the restored checkpoint are redone; they no longer count.
             for step in [s for s in self.state.step_seconds if s > resumed_step]:
                 del self.state.step_seconds[step]
