@@ -16,7 +16,7 @@ import tempfile
 
 from train.config import load_config
 from train.launch import ensure_dataset, init_ray, run_training, run_uri
-from train.metrics import read_metrics
+from train.metrics import HEALTH_CHECK_INTERVAL_ENV, read_metrics
 
 POLLS_S = (0.5, 0.1)
 LOG_EVERY = (1, 10)
@@ -24,7 +24,7 @@ LOG_EVERY = (1, 10)
 
 def train_seconds(overrides: list[str], name: str, poll_s: float) -> float:
     """Seconds between the run's first and last training reports."""
-    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(poll_s)  # read when the run's controller starts
+    os.environ[HEALTH_CHECK_INTERVAL_ENV] = str(poll_s)  # read when the run's controller starts
     cfg = load_config("tiny", [*overrides, f"run.name={name}"])
     run_training(cfg)
     steps = [m for m in read_metrics(run_uri(cfg)) if "loss" in m]

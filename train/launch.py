@@ -22,7 +22,7 @@ from train.config import TrainConfig
 from train.data import dataset_path, load_manifest, manifest_sha256, prepare
 from train.lease import Lease
 from train.loop import DivergedError, train_loop
-from train.metrics import MetricsRecorder, read_metrics
+from train.metrics import HEALTH_CHECK_INTERVAL_ENV, MetricsRecorder, read_metrics
 from train.preflight import check_dataset_matches, cluster_address
 from train.run_layout import export_uri
 from train.scaling_policy import ElasticTorchTrainer
@@ -135,7 +135,7 @@ def set_ray_train_env(cfg: TrainConfig) -> None:
     """
     defaults = {
         **RAY_TRAIN_LOGGING_ENV,
-        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": str(cfg.scaling.health_check_interval_s),
+        HEALTH_CHECK_INTERVAL_ENV: str(cfg.scaling.health_check_interval_s),
         "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(cfg.scaling.worker_start_timeout_s),
     }
     for name, value in defaults.items():

@@ -31,7 +31,13 @@ from train.export import export_model
 from train.hf_gpt2 import load_weights
 from train.loader import SampleOrder, micro_batch_samples
 from train.memory import plan_memory, worker_capacity_bytes
-from train.metrics import format_progress, memory_gb, peak_tflops, report_backlog_warning
+from train.metrics import (
+    HEALTH_CHECK_INTERVAL_ENV,
+    format_progress,
+    memory_gb,
+    peak_tflops,
+    report_backlog_warning,
+)
 from train.model import GPT, flops_per_token
 from train.profiling import StepProfiler
 from train.run_files import JsonlLog
@@ -372,7 +378,7 @@ class Trainer:
         self.preemption_check_every = max(1, round(cfg.checkpoint.preemption_check_s / step_time))
         if self.rank == 0 and self.backlog_unchecked and self.step > self.first_step:  # past the first, slow, step
             self.backlog_unchecked = False
-            poll = os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", cfg.scaling.health_check_interval_s)
+            poll = os.environ.get(HEALTH_CHECK_INTERVAL_ENV, cfg.scaling.health_check_interval_s)
             warning = report_backlog_warning(step_time, cfg.run.log_every, float(poll))
             if warning:
                 print(warning, flush=True)

@@ -20,6 +20,8 @@ from train.run_files import JsonlLog, drop_node_local_copy, local_dir_for, read_
 
 METRICS = "metrics.jsonl"
 TENSORBOARD = "tensorboard"
+# Ray Train's controller poll, which takes the workers' reports: set by the driver, read by the workers' warning.
+HEALTH_CHECK_INTERVAL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 
 logger = logging.getLogger(__name__)
 
