@@ -1,8 +1,8 @@
-"""Reading a run's metrics back: the step time the benchmarks take from them."""
+"""A run's metrics: its progress lines, and reading them back for the step time the benchmarks take."""
 
 import pytest
 
-from train.metrics import METRICS, report_backlog_warning, steady_step_seconds
+from train.metrics import METRICS, format_progress, report_backlog_warning, steady_step_seconds
 from train.run_files import JsonlLog
 
 pytestmark = pytest.mark.unit
@@ -33,3 +33,11 @@ def test_reports_faster_than_ray_train_takes_them_are_warned_of_with_the_log_eve
     assert "run.log_every=1" in warning and "scaling.health_check_interval_s" in warning
     assert warning.endswith("run.log_every=4 or more does not")
     assert report_backlog_warning(step_seconds=0.15, log_every=4, poll_seconds=0.5) is None
+
+
+def test_a_report_of_a_checkpoint_written_in_the_background_says_which_one_counted():
+    """It arrives with a later step's report, or alone: never a bare step count."""
+    saved = {"step": 51, "checkpoint": "runs/tiny/checkpoints/step_00000050", "checkpoint_s": 0.236}
+    assert format_progress(saved, 100) == "step 51/100 | checkpoint step_00000050 saved (0.2 s)"
+    failed = {"step": 12, "checkpoint_failed": "s3://bucket/run/checkpoints/step_00000010"}
+    assert format_progress(failed, 100) == "step 12/100 | checkpoint step_00000010 failed"

@@ -53,6 +53,11 @@ def format_progress(m: dict[str, Any], max_steps: int) -> str:
         parts += [f"mfu {m['mfu']:.1%}" if m.get("mfu") is not None else "mfu n/a", f"mem {m['memory_gb']:.2f} GB"]
     if "val_loss" in m:
         parts.append(f"val_loss {m['val_loss']:.4f} (ppl {m['val_perplexity']:.2f}, {m['val_bpb']:.3f} bits/byte)")
+    # A checkpoint written in the background counts at a later step's report, often one of its own.
+    if "checkpoint" in m:
+        parts.append(f"checkpoint {m['checkpoint'].rsplit('/', 1)[-1]} saved ({m['checkpoint_s']:.1f} s)")
+    if "checkpoint_failed" in m:
+        parts.append(f"checkpoint {m['checkpoint_failed'].rsplit('/', 1)[-1]} failed")
     return " | ".join(parts)
 
 
