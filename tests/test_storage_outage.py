@@ -97,7 +97,7 @@ def test_a_run_whose_storage_stays_down_stops_after_the_failed_checkpoints_it_to
     assert checkpoint.latest_complete(run_uri(cfg))["step"] == 5
 
 
-def test_a_run_restarted_while_its_storage_is_down_waits_for_it(ray_session, s3_server, s3_bucket, tiny_dataset):
+def test_a_run_restarted_while_its_storage_is_down_waits_for_it(ray_session, s3_server, s3_bucket, tiny_dataset, capfd):
     """A worker lost during an outage: the new workers wait for storage to answer, then resume; before, each
     of their attempts failed on its first read of the run and counted against scaling.max_failures."""
     cfg = _config(
@@ -117,9 +117,16 @@ def test_a_run_restarted_while_its_storage_is_down_waits_for_it(ray_session, s3_
     wait_for_condition(lambda: checkpoint.latest_complete(run) is not None, timeout=180)  # step 25's
     written_at = progress_of(cfg.run.name)["step"]
     wait_for_condition(lambda: progress_of(cfg.run.name)["step"] >= written_at + 5)  # and its report is in
+    printed = []  # by this driver: its Ray forwards the workers' output
+
+    def a_worker_waits_for_storage() -> bool:
+        printed.extend(capfd.readouterr())
+        return "storage cannot be reached" in "".join(printed)
+
     with s3_server.outage():
         os.kill(training_worker_pids()[0], signal.SIGKILL)
-        time.sleep(60)  # the new workers start, and find storage down
+        wait_for_condition(a_worker_waits_for_storage, timeout=120)  # the new workers started, and found it down
+        time.sleep(8)
     thread.join(timeout=300)
 
     assert result and result[0].steps == 60
