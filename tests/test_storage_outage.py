@@ -126,7 +126,7 @@ def test_a_run_restarted_while_its_storage_is_down_waits_for_it(ray_session, s3_
     with s3_server.outage():
         os.kill(training_worker_pids()[0], signal.SIGKILL)
         wait_for_condition(a_worker_waits_for_storage, timeout=120)  # the new workers started, and found it down
-        time.sleep(8)
+        time.sleep(8)  # down a while longer than the storage_wait_s > 5 asked below
     thread.join(timeout=300)
 
     assert result and result[0].steps == 60
