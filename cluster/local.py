@@ -51,8 +51,11 @@ def up(state_dir: Path = STATE_DIR) -> dict:
         f"--dashboard-agent-listen-port={free_port()}", f"--ray-client-server-port={free_port()}",
         f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
     ]  # fmt: skip
+    dashboard = f"http://127.0.0.1:{dashboard_port}"
+    # Its processes ask Ray's state API here, not where `ray start` last wrote an address (see train/launch.py).
+    env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "RAY_API_SERVER_ADDRESS": dashboard}
     try:
-        started = subprocess.run(command, env={**os.environ, "RAY_FAKE_CLUSTER": "1"}, capture_output=True, text=True)
+        started = subprocess.run(command, env=env, capture_output=True, text=True)
     except OSError as exc:
         shutil.rmtree(temp_dir)
         raise RuntimeError(f"cannot run `ray start`: {exc.strerror} (is Ray installed in this environment?)") from None
@@ -60,7 +63,7 @@ def up(state_dir: Path = STATE_DIR) -> dict:
         shutil.rmtree(temp_dir, ignore_errors=True)  # made above; what a failed start left in it is of no use
         last = (started.stderr.strip() or started.stdout.strip() or "no output").splitlines()[-1]
         raise RuntimeError(f"`ray start` failed (exit {started.returncode}): {last}")
-    state = {"address": f"{ip}:{gcs_port}", "dashboard": f"http://127.0.0.1:{dashboard_port}", "temp_dir": temp_dir}
+    state = {"address": f"{ip}:{gcs_port}", "dashboard": dashboard, "temp_dir": temp_dir}
     (state_dir / "state.json").write_text(json.dumps(state))
     return state
 

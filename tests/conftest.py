@@ -132,9 +132,16 @@ def ray_cluster(s3_server):
     # Ray's Cluster also writes the head's address to <default temp dir>/ray_current_cluster, whatever temp_dir
     # the head was given, and fails where that folder is missing (a machine that never ran Ray before).
     os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
+    dashboard_port = free_port()
     # Ray's Cluster gives a node no GPU unless told: the gpu tests' runs would wait for one forever.
-    head = {"num_cpus": 4, "num_gpus": torch.cuda.device_count(), "temp_dir": temp_dir}
-    cluster = Cluster(initialize_head=True, head_node_args=head)
+    gpus = torch.cuda.device_count()
+    head = {"num_cpus": 4, "num_gpus": gpus, "temp_dir": temp_dir, "dashboard_port": dashboard_port}
+    # The head's processes (Ray Train's placement-group cleaner among them) ask Ray's state API of this Ray,
+    # not of the Ray whose address `ray start` last wrote (a twin of test_cluster.py): as train/launch.py does
+    # for a private Ray. Only theirs: in this process it would also redirect the job client of the CLI tests.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_API_SERVER_ADDRESS", f"http://127.0.0.1:{dashboard_port}")
+        cluster = Cluster(initialize_head=True, head_node_args=head)
     ray.init(address=cluster.address)
     yield cluster
     ray.shutdown()

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray._private.ray_constants import DEFAULT_DASHBOARD_PORT
 from ray.train import FailureConfig
 from ray.train import RunConfig as RayRunConfig
 from ray.train import ScalingConfig as RayScalingConfig
@@ -24,6 +25,7 @@ from train.lease import Lease
 from train.loop import DivergedError, train_loop
 from train.metrics import HEALTH_CHECK_INTERVAL_ENV, MetricsRecorder, read_metrics
 from train.preflight import check_dataset_matches, cluster_address
+from train.process_group import free_port
 from train.run_layout import export_uri
 from train.scaling_policy import ElasticTorchTrainer
 from train.schema import replace
@@ -81,7 +83,15 @@ def init_ray(cfg: TrainConfig) -> bool:
         ray.init(address=address)
         return False
     # A private embedded Ray, never one that happens to run on this machine.
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, cfg.scaling.max_workers * cfg.scaling.cpus_per_worker))
+    num_cpus = max(os.cpu_count() or 1, cfg.scaling.max_workers * cfg.scaling.cpus_per_worker)
+    # Ray's state API looks for "the" Ray of this machine where `ray start` last wrote its address, which may
+    # be another Ray (a local twin, a `ray start` of the user's). Ray Train's placement-group cleaner, run in
+    # this Ray, then found no controller of ours there and removed the run's placement group, killing its
+    # workers. So this Ray's dashboard gets its port before it starts, and its processes (they inherit this
+    # environment) and this driver ask the state API there.
+    dashboard_port = free_port(prefer=DEFAULT_DASHBOARD_PORT)  # the port a user knows, where it is free
+    os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{dashboard_port}"
+    ray.init(address="local", num_cpus=num_cpus, dashboard_port=dashboard_port)
     return True
 
 

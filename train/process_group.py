@@ -10,10 +10,13 @@ import torch
 import torch.distributed as dist
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
+def free_port(prefer: int = 0) -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now: ``prefer`` where it is free, else any."""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        try:
+            sock.bind(("127.0.0.1", prefer))
+        except OSError:
+            sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 

@@ -150,11 +150,14 @@ def _wait_for_trial_processes(timeout_s: float = 30.0) -> None:
     """Wait until this sweep's trial processes have exited (at most ``timeout_s``). Tune asks a trial to
     stop and ends the sweep without waiting for that; a trial trains on to its next report meanwhile,
     and may write a checkpoint."""
-    job = ray.get_runtime_context().get_job_id()
+    context = ray.get_runtime_context()
+    job, address = context.get_job_id(), context.gcs_address  # this Ray's, not the one `ray start` last wrote
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
-            alive = list_actors(filters=[("job_id", "=", job), ("state", "=", "ALIVE")], raise_on_missing_output=False)
+            alive = list_actors(
+                address, filters=[("job_id", "=", job), ("state", "=", "ALIVE")], raise_on_missing_output=False
+            )
             if not any(name in actor.class_name for actor in alive for name in TRIAL_PROCESSES):
                 return
             time.sleep(0.5)
