@@ -52,7 +52,7 @@ def up(state_dir: Path = STATE_DIR) -> dict:
         f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
     ]  # fmt: skip
     dashboard = f"http://127.0.0.1:{dashboard_port}"
-    # Its processes ask Ray's state API here, not where `ray start` last wrote an address (see train/launch.py).
+    # Its processes ask Ray's state API here, not of whichever Ray auto-detection finds (see train/launch.py).
     env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "RAY_API_SERVER_ADDRESS": dashboard}
     try:
         started = subprocess.run(command, env=env, capture_output=True, text=True)

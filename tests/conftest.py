@@ -137,8 +137,9 @@ def ray_cluster(s3_server):
     gpus = torch.cuda.device_count()
     head = {"num_cpus": 4, "num_gpus": gpus, "temp_dir": temp_dir, "dashboard_port": dashboard_port}
     # The head's processes (Ray Train's placement-group cleaner among them) ask Ray's state API of this Ray,
-    # not of the Ray whose address `ray start` last wrote (a twin of test_cluster.py): as train/launch.py does
-    # for a private Ray. Only theirs: in this process it would also redirect the job client of the CLI tests.
+    # whatever Ray wrote its address where `ray start` does later (a developer's, another session's): as
+    # train/launch.py does for a private Ray. Only theirs: in this process it would also redirect the job
+    # client of the CLI tests.
     with pytest.MonkeyPatch.context() as env:
         env.setenv("RAY_API_SERVER_ADDRESS", f"http://127.0.0.1:{dashboard_port}")
         cluster = Cluster(initialize_head=True, head_node_args=head)

@@ -84,11 +84,12 @@ def init_ray(cfg: TrainConfig) -> bool:
         return False
     # A private embedded Ray, never one that happens to run on this machine.
     num_cpus = max(os.cpu_count() or 1, cfg.scaling.max_workers * cfg.scaling.cpus_per_worker)
-    # Ray's state API looks for "the" Ray of this machine where `ray start` last wrote its address, which may
-    # be another Ray (a local twin, a `ray start` of the user's). Ray Train's placement-group cleaner, run in
-    # this Ray, then found no controller of ours there and removed the run's placement group, killing its
-    # workers. So this Ray's dashboard gets its port before it starts, and its processes (they inherit this
-    # environment) and this driver ask the state API there.
+    # Ray's state API finds "the" Ray of this machine where `ray start` last wrote its address, else among the
+    # running ones: beside another Ray (a user's `ray start`, a local twin), that Ray or none. Ray Train's
+    # placement-group cleaner, run in this Ray, then found no controller of ours and removed the run's
+    # placement group, killing its workers, or failed and left the run without one. So this Ray's dashboard
+    # gets its port before it starts, and its processes (they inherit this environment) and this driver ask
+    # the state API there.
     dashboard_port = free_port(prefer=DEFAULT_DASHBOARD_PORT)  # the port a user knows, where it is free
     os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{dashboard_port}"
     ray.init(address="local", num_cpus=num_cpus, dashboard_port=dashboard_port)
