@@ -33,7 +33,8 @@ def up(state_dir: Path = STATE_DIR) -> dict:
         raise RuntimeError(f"a local twin is already up (state in {state_dir}); `python -m cluster down --local` first")
     import ray
 
-    from train.process_group import free_port  # imports torch: only the command that starts a twin pays for it
+    # Imports torch: only the command that starts a twin pays for it.
+    from train.process_group import free_port, own_state_api_env
 
     state_dir.mkdir(parents=True, exist_ok=True)
     ip = ray.util.get_node_ip_address()
@@ -51,9 +52,7 @@ def up(state_dir: Path = STATE_DIR) -> dict:
         f"--dashboard-agent-listen-port={free_port()}", f"--ray-client-server-port={free_port()}",
         f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
     ]  # fmt: skip
-    dashboard = f"http://127.0.0.1:{dashboard_port}"
-    # Its processes ask Ray's state API here, not of whichever Ray auto-detection finds (see train/launch.py).
-    env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "RAY_API_SERVER_ADDRESS": dashboard}
+    env = {**os.environ, "RAY_FAKE_CLUSTER": "1", **own_state_api_env(dashboard_port)}
     try:
         started = subprocess.run(command, env=env, capture_output=True, text=True)
     except OSError as exc:
@@ -63,7 +62,7 @@ def up(state_dir: Path = STATE_DIR) -> dict:
         shutil.rmtree(temp_dir, ignore_errors=True)  # made above; what a failed start left in it is of no use
         last = (started.stderr.strip() or started.stdout.strip() or "no output").splitlines()[-1]
         raise RuntimeError(f"`ray start` failed (exit {started.returncode}): {last}")
-    state = {"address": f"{ip}:{gcs_port}", "dashboard": dashboard, "temp_dir": temp_dir}
+    state = {"address": f"{ip}:{gcs_port}", "dashboard": f"http://127.0.0.1:{dashboard_port}", "temp_dir": temp_dir}
     (state_dir / "state.json").write_text(json.dumps(state))
     return state
 

@@ -21,7 +21,7 @@ from train.config import TrainConfig, load_config
 from train.export import save_export
 from train.model import GPT
 from train.model_config import ModelConfig
-from train.process_group import free_port
+from train.process_group import free_port, own_state_api_env
 from train.tokenizer import ByteTokenizer
 
 # What the serving tests' model learns by heart: ASCII and 2-, 3- and 4-byte UTF-8 characters.
@@ -136,12 +136,11 @@ def ray_cluster(s3_server):
     # Ray's Cluster gives a node no GPU unless told: the gpu tests' runs would wait for one forever.
     gpus = torch.cuda.device_count()
     head = {"num_cpus": 4, "num_gpus": gpus, "temp_dir": temp_dir, "dashboard_port": dashboard_port}
-    # The head's processes (Ray Train's placement-group cleaner among them) ask Ray's state API of this Ray,
-    # whatever Ray wrote its address where `ray start` does later (a developer's, another session's): as
-    # train/launch.py does for a private Ray. Only theirs: in this process it would also redirect the job
-    # client of the CLI tests.
+    # The head's processes ask Ray's state API of this Ray, whatever Ray writes its address where `ray start`
+    # does later. Only theirs: in this process it would also redirect the job client of the CLI tests.
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("RAY_API_SERVER_ADDRESS", f"http://127.0.0.1:{dashboard_port}")
+        for name, value in own_state_api_env(dashboard_port).items():
+            env.setenv(name, value)
         cluster = Cluster(initialize_head=True, head_node_args=head)
     ray.init(address=cluster.address)
     yield cluster

@@ -25,7 +25,7 @@ from train.lease import Lease
 from train.loop import DivergedError, train_loop
 from train.metrics import HEALTH_CHECK_INTERVAL_ENV, MetricsRecorder, read_metrics
 from train.preflight import check_dataset_matches, cluster_address
-from train.process_group import free_port
+from train.process_group import free_port, own_state_api_env
 from train.run_layout import export_uri
 from train.scaling_policy import ElasticTorchTrainer
 from train.schema import replace
@@ -84,14 +84,9 @@ def init_ray(cfg: TrainConfig) -> bool:
         return False
     # A private embedded Ray, never one that happens to run on this machine.
     num_cpus = max(os.cpu_count() or 1, cfg.scaling.max_workers * cfg.scaling.cpus_per_worker)
-    # Ray's state API finds "the" Ray of this machine where `ray start` last wrote its address, else among the
-    # running ones: beside another Ray (a user's `ray start`, a local twin), that Ray or none. Ray Train's
-    # placement-group cleaner, run in this Ray, then found no controller of ours and removed the run's
-    # placement group, killing its workers, or failed and left the run without one. So this Ray's dashboard
-    # gets its port before it starts, and its processes (they inherit this environment) and this driver ask
-    # the state API there.
+    # Its dashboard's port is known before it starts, so that its processes and this driver ask its state API.
     dashboard_port = free_port(prefer=DEFAULT_DASHBOARD_PORT)  # the port a user knows, where it is free
-    os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{dashboard_port}"
+    os.environ.update(own_state_api_env(dashboard_port))
     ray.init(address="local", num_cpus=num_cpus, dashboard_port=dashboard_port)
     return True
 

@@ -1,5 +1,6 @@
 """A torch.distributed group of this one process, for a DeepSpeed engine outside Ray Train (a one-worker sweep
-trial, the export of a checkpoint): Ray Train sets up the group of its workers itself."""
+trial, the export of a checkpoint): Ray Train sets up the group of its workers itself. Also the free ports
+and the environment that a Ray started here needs."""
 
 import contextlib
 import os
@@ -18,6 +19,19 @@ def free_port(prefer: int = 0) -> int:
         except OSError:
             sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def own_state_api_env(dashboard_port: int) -> dict[str, str]:
+    """The environment, for the processes of a Ray whose dashboard is at ``dashboard_port``, in which they
+    ask Ray's state API of that Ray.
+
+    Ray finds "the" Ray of this machine where `ray start` last wrote its address, else among the running
+    ones: beside another Ray (a user's `ray start`, a local twin), that Ray or none. Ray Train's
+    placement-group cleaner, asking there, found no controller of a run and removed the run's placement
+    group, killing its workers, or failed and left the run without one. A Ray's processes inherit the
+    environment of the process that starts it.
+    """
+    return {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{dashboard_port}"}
 
 
 @contextlib.contextmanager
