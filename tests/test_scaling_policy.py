@@ -12,10 +12,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import ray
 from ray._common.test_utils import wait_for_condition
 from ray.train import ScalingConfig
 from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy, ResizeDecision
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from cluster.drain import drain_node
 from train.early_checkpoint import latest_checkpoint_request, record_checkpoint
 from train.scaling_policy import FreshViewElasticPolicy
 
@@ -54,6 +57,39 @@ def test_a_restart_after_a_node_loss_is_sized_for_the_nodes_left(ray_cluster):
         assert _restart_size(ours) == 1
         ours.before_controller_abort()
     finally:
+        for node in nodes:
+            ray_cluster.remove_node(node, allow_graceful=False)
+
+
+@ray.remote(num_cpus=1)
+class Occupant:
+    """Keeps a node busy (a task holding none of its resources would not): Ray ends an idle node at once
+    when it is drained, a busy one at its deadline."""
+
+    def ready(self) -> bool:
+        return True
+
+
+def test_a_restart_after_a_preemption_is_sized_without_the_draining_node(ray_cluster):
+    """A pre-empted node can outlive its drain deadline (the cloud stops it a little later): a restart
+    sized for it would wait out the worker-group start timeout, since Ray schedules nothing new there."""
+    nodes = [ray_cluster.add_node(num_cpus=2, resources={SLOT: 1}) for _ in range(2)]  # a CPU for the occupant
+    policy = _started(FreshViewElasticPolicy, "drain-policy", run_uri="/runs/policy-test", data_path="unused")
+    try:
+        draining = nodes[1]
+        pinned = NodeAffinitySchedulingStrategy(draining.node_id, soft=False)
+        occupant = Occupant.options(scheduling_strategy=pinned).remote()  # held: a dropped handle ends the actor
+        ray.get(occupant.ready.remote())
+        wait_for_condition(lambda: _restart_size(policy) == 2, timeout=60)
+
+        drain_node(draining.node_id, deadline_s=300)
+        coordinator, requester = policy._autoscaling_coordinator, policy._requester_id
+        fresh = ray.get(coordinator.get_reserved_resources.remote(requester, recompute=True))
+        assert draining.node_id in fresh, "Ray's view of the cluster now leaves draining nodes out: so can ours"
+        time.sleep(ElasticScalingPolicy.GET_RESERVED_RESOURCES_INTERVAL_S)  # the policy reads the cluster anew
+        assert _restart_size(policy) == 1
+    finally:
+        policy.before_controller_abort()
         for node in nodes:
             ray_cluster.remove_node(node, allow_graceful=False)
 

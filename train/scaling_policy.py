@@ -4,11 +4,14 @@ Ray Train 2.60's ``ElasticScalingPolicy`` sizes a (re)start from the reservation
 AutoscalingCoordinator, which re-reads the cluster every 20 s. After a node dies the restart is
 therefore first tried at the old size and fails only when the worker-group start timeout expires
 (P4 was 53 s, most of it that wait). Two things make the view fresh here: the coordinator recomputes
-on demand (``get_reserved_resources(recompute=True)``, which Ray Data uses before pinning nodes), and,
-since Ray itself marks a node dead only after its health checks fail (~12-15 s after a kill), a node
-whose raylet no longer accepts a connection is left out of the count at once. This policy does both
-whenever Ray's policy reads the cluster (at most once a second): for restarts, and for the periodic
-check whether to grow, which would otherwise grow back onto a node that is already gone.
+on demand (``get_reserved_resources(recompute=True)``, which Ray Data uses before pinning nodes), and
+nodes that cannot take a worker are left out of the count at once: a node whose raylet no longer
+accepts a connection (Ray itself marks it dead only after its health checks fail, ~12-15 s after a
+kill), and a node being drained (a spot pre-emption: Ray schedules nothing new there, yet counts its
+resources until it is gone, and a node can outlive its drain deadline; a restart sized for it waits
+out the worker-group start timeout). This policy does both whenever Ray's policy reads the cluster (at
+most once a second): for restarts, and for the periodic check whether to grow, which would otherwise
+grow back onto a node that is already gone or going.
 
 Growing back is Ray's decision too, but a grow restarts the run from its latest checkpoint, which
 could be a whole checkpoint interval old, and the workers on a new node would first copy the training
@@ -56,19 +59,24 @@ RAYLET_CONNECT_TIMEOUT_S = 0.5
 copy_data_to_node = ray.remote(num_cpus=0, max_retries=0)(copy_to_this_node)
 
 
-def reachable_nodes(node_ids) -> set[str]:
-    """The nodes among ``node_ids`` that Ray lists alive and whose raylet accepts a TCP connection."""
-    reachable = set()
+def schedulable_nodes(node_ids) -> set[str]:
+    """The nodes among ``node_ids`` that can take a worker now: listed alive by Ray, not being drained,
+    and with a raylet that accepts a TCP connection."""
+    draining = ray._private.state.state.get_draining_nodes()  # what Ray Train's PreemptionWatcher polls
+    schedulable = set()
     for node in ray.nodes():
         if node["NodeID"] not in node_ids or not node["Alive"]:
+            continue
+        if node["NodeID"] in draining:
+            logger.info("node %s is being drained: left out of the restart's size", node["NodeID"])
             continue
         try:
             address = (node["NodeManagerAddress"], node["NodeManagerPort"])
             socket.create_connection(address, timeout=RAYLET_CONNECT_TIMEOUT_S).close()
-            reachable.add(node["NodeID"])
+            schedulable.add(node["NodeID"])
         except OSError:
             logger.info("node %s does not answer: left out of the restart's size", node["NodeID"])
-    return reachable
+    return schedulable
 
 
 @dataclass
@@ -152,7 +160,7 @@ class FreshViewElasticPolicy(ElasticScalingPolicy):
 
     def _get_reserved_resources(self) -> ReservedResources | None:
         """What Ray's policy sizes every decision from (at most once a second): the coordinator's
-        reservations, recomputed on the cluster as it is, less nodes whose raylet does not answer."""
+        reservations, recomputed on the cluster as it is, less nodes that cannot take a worker."""
         now = time_monotonic()
         if now - self._latest_reserved_resources_query_time < self.GET_RESERVED_RESOURCES_INTERVAL_S:
             return self._latest_reserved_resources
@@ -162,8 +170,8 @@ class FreshViewElasticPolicy(ElasticScalingPolicy):
                 self._autoscaling_coordinator.get_reserved_resources.remote(self._requester_id, recompute=True),
                 timeout=AUTOSCALING_REQUESTS_GET_TIMEOUT_S,
             )
-            reachable = reachable_nodes(fresh)
-            reserved = {node: resources for node, resources in fresh.items() if node in reachable}
+            schedulable = schedulable_nodes(fresh)
+            reserved = {node: resources for node, resources in fresh.items() if node in schedulable}
         except Exception:  # as Ray's policy does: no decision this time
             logger.warning("could not get the cluster's resources; no scaling decision this time", exc_info=True)
         self._latest_reserved_resources_query_time = time_monotonic()
