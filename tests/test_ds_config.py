@@ -2,6 +2,7 @@
 images DeepSpeed cannot build its ops on."""
 
 import math
+import os
 
 import deepspeed
 import pytest
@@ -109,3 +110,15 @@ def test_weight_decay_shrinks_weight_matrices_and_embeddings_not_biases_and_laye
     for name, p in engine.module.named_parameters():
         decayed = p.dim() >= 2  # wte (tied to the head), wpe and every Linear's weight
         assert torch.allclose(p, before[name] * (0.5 if decayed else 1.0), atol=1e-6), name
+
+
+@pytest.mark.unit
+def test_an_engine_build_does_not_compile_deepspeeds_muon_kernels_and_leaves_the_compiler_on(process_group):
+    """DeepSpeed imports its Muon optimizer at every ZeRO engine build, and the import compiled Muon's kernels:
+    ~1.5-2 s of each worker's (re)start for a run that does not train with Muon."""
+    cfg = load_config("tiny", ["deepspeed.zero_stage=2"])
+    build_engine(cfg, GPT(cfg.model), world_size=1)
+    from deepspeed.runtime.zero.muon import original_muon
+
+    assert not hasattr(original_muon.muon_update, "_torchdynamo_orig_callable")  # what torch.compile wraps
+    assert "TORCHDYNAMO_DISABLE" not in os.environ  # torch.compile works as before
