@@ -70,9 +70,12 @@ class Occupant:
         return True
 
 
-def test_a_restart_after_a_preemption_is_sized_without_the_draining_node(ray_cluster):
+def test_a_restart_after_a_preemption_is_sized_without_the_draining_node_and_the_notice_shrinks_nothing(
+    ray_cluster,
+):
     """A pre-empted node can outlive its drain deadline (the cloud stops it a little later): a restart
-    sized for it would wait out the worker-group start timeout, since Ray schedules nothing new there."""
+    sized for it would wait out the worker-group start timeout, since Ray schedules nothing new there.
+    Until the deadline the run trains on at its size: its workers on that node checkpoint before it."""
     nodes = [ray_cluster.add_node(num_cpus=2, resources={SLOT: 1}) for _ in range(2)]  # a CPU for the occupant
     policy = _started(FreshViewElasticPolicy, "drain-policy", run_uri="/runs/policy-test", data_path="unused")
     try:
@@ -87,6 +90,8 @@ def test_a_restart_after_a_preemption_is_sized_without_the_draining_node(ray_clu
         fresh = ray.get(coordinator.get_reserved_resources.remote(requester, recompute=True))
         assert draining.node_id in fresh, "Ray's view of the cluster now leaves draining nodes out: so can ours"
         time.sleep(ElasticScalingPolicy.GET_RESERVED_RESOURCES_INTERVAL_S)  # the policy reads the cluster anew
+        running = SimpleNamespace(num_workers=2, start_time=0.0)
+        assert not isinstance(policy.make_decision_for_running_worker_group(running, None), ResizeDecision)
         assert _restart_size(policy) == 1
     finally:
         policy.before_controller_abort()

@@ -4,14 +4,16 @@ Ray Train 2.60's ``ElasticScalingPolicy`` sizes a (re)start from the reservation
 AutoscalingCoordinator, which re-reads the cluster every 20 s. After a node dies the restart is
 therefore first tried at the old size and fails only when the worker-group start timeout expires
 (P4 was 53 s, most of it that wait). Two things make the view fresh here: the coordinator recomputes
-on demand (``get_reserved_resources(recompute=True)``, which Ray Data uses before pinning nodes), and
-nodes that cannot take a worker are left out of the count at once: a node whose raylet no longer
-accepts a connection (Ray itself marks it dead only after its health checks fail, ~12-15 s after a
-kill), and a node being drained (a spot pre-emption: Ray schedules nothing new there, yet counts its
-resources until it is gone, and a node can outlive its drain deadline; a restart sized for it waits
-out the worker-group start timeout). This policy does both whenever Ray's policy reads the cluster (at
-most once a second): for restarts, and for the periodic check whether to grow, which would otherwise
-grow back onto a node that is already gone or going.
+on demand (``get_reserved_resources(recompute=True)``, which Ray Data uses before pinning nodes), and,
+since Ray itself marks a node dead only after its health checks fail (~12-15 s after a kill), a node
+whose raylet no longer accepts a connection is left out of the count at once. This policy does both
+whenever Ray's policy reads the cluster (at most once a second): for restarts, and for the periodic
+check whether to grow, which would otherwise grow back onto a node that is already gone. A restart
+also leaves out nodes being drained (a spot pre-emption): Ray schedules nothing new there, yet counts
+their resources until they are gone, and a pre-empted node can outlive its drain deadline, where a
+restart sized for it would wait out the worker-group start timeout. The periodic check keeps counting
+them: the run's workers there train on until the deadline (train/loop.py checkpoints before it), and
+leaving them out would shrink the run at the notice.
 
 Growing back is Ray's decision too, but a grow restarts the run from its latest checkpoint, which
 could be a whole checkpoint interval old, and the workers on a new node would first copy the training
@@ -59,24 +61,19 @@ RAYLET_CONNECT_TIMEOUT_S = 0.5
 copy_data_to_node = ray.remote(num_cpus=0, max_retries=0)(copy_to_this_node)
 
 
-def schedulable_nodes(node_ids) -> set[str]:
-    """The nodes among ``node_ids`` that can take a worker now: listed alive by Ray, not being drained,
-    and with a raylet that accepts a TCP connection."""
-    draining = ray._private.state.state.get_draining_nodes()  # what Ray Train's PreemptionWatcher polls
-    schedulable = set()
+def reachable_nodes(node_ids) -> set[str]:
+    """The nodes among ``node_ids`` that Ray lists alive and whose raylet accepts a TCP connection."""
+    reachable = set()
     for node in ray.nodes():
         if node["NodeID"] not in node_ids or not node["Alive"]:
-            continue
-        if node["NodeID"] in draining:
-            logger.info("node %s is being drained: left out of the restart's size", node["NodeID"])
             continue
         try:
             address = (node["NodeManagerAddress"], node["NodeManagerPort"])
             socket.create_connection(address, timeout=RAYLET_CONNECT_TIMEOUT_S).close()
-            schedulable.add(node["NodeID"])
+            reachable.add(node["NodeID"])
         except OSError:
             logger.info("node %s does not answer: left out of the restart's size", node["NodeID"])
-    return schedulable
+    return reachable
 
 
 @dataclass
@@ -106,6 +103,7 @@ class FreshViewElasticPolicy(ElasticScalingPolicy):
         self.run_uri = run_uri
         self.data_path = data_path
         self._pending_grow: PendingGrow | None = None
+        self._sizing_restart = False  # set while Ray's policy sizes a (re)start
 
     def make_decision_for_running_worker_group(
         self, worker_group_state: WorkerGroupState, worker_group_status: WorkerGroupPollStatus
@@ -156,11 +154,30 @@ class FreshViewElasticPolicy(ElasticScalingPolicy):
 
     def make_decision_for_non_running_worker_group(self) -> ScalingDecision:
         self._pending_grow = None  # the run failed meanwhile: this restart is sized afresh
-        return super().make_decision_for_non_running_worker_group()
+        self._sizing_restart = True
+        try:
+            return super().make_decision_for_non_running_worker_group()
+        finally:
+            self._sizing_restart = False
 
     def _get_reserved_resources(self) -> ReservedResources | None:
-        """What Ray's policy sizes every decision from (at most once a second): the coordinator's
-        reservations, recomputed on the cluster as it is, less nodes that cannot take a worker."""
+        """What Ray's policy sizes every decision from: the fresh view, and for a restart that view less
+        the nodes being drained."""
+        reserved = self._fresh_reserved_resources()
+        if reserved is None or not self._sizing_restart:
+            return reserved
+        try:
+            draining = ray._private.state.state.get_draining_nodes()  # what Ray Train's PreemptionWatcher polls
+        except Exception:  # as for the view itself: no decision this time
+            logger.warning("could not get the nodes being drained; no scaling decision this time", exc_info=True)
+            return None
+        for node in draining.keys() & reserved.keys():
+            logger.info("node %s is being drained: left out of the restart's size", node)
+        return {node: resources for node, resources in reserved.items() if node not in draining}
+
+    def _fresh_reserved_resources(self) -> ReservedResources | None:
+        """The coordinator's reservations, recomputed on the cluster as it is (at most once a second), less
+        nodes whose raylet does not answer."""
         now = time_monotonic()
         if now - self._latest_reserved_resources_query_time < self.GET_RESERVED_RESOURCES_INTERVAL_S:
             return self._latest_reserved_resources
@@ -170,8 +187,8 @@ class FreshViewElasticPolicy(ElasticScalingPolicy):
                 self._autoscaling_coordinator.get_reserved_resources.remote(self._requester_id, recompute=True),
                 timeout=AUTOSCALING_REQUESTS_GET_TIMEOUT_S,
             )
-            schedulable = schedulable_nodes(fresh)
-            reserved = {node: resources for node, resources in fresh.items() if node in schedulable}
+            reachable = reachable_nodes(fresh)
+            reserved = {node: resources for node, resources in fresh.items() if node in reachable}
         except Exception:  # as Ray's policy does: no decision this time
             logger.warning("could not get the cluster's resources; no scaling decision this time", exc_info=True)
         self._latest_reserved_resources_query_time = time_monotonic()
