@@ -33,7 +33,7 @@ GLOBAL_BATCH = 12  # divides for 2 and 3 workers with micro batch 2
 
 @pytest.fixture(scope="module")
 def elastic_dataset(ray_session, tmp_path_factory) -> str:
-    """~770 training sequences: one epoch is ~64 steps of 12, the scenario's three resizes done by step ~35."""
+    """~770 training sequences: one epoch is ~64 steps of 12; the scenario's three resizes are done by step ~45."""
     corpus = tmp_path_factory.mktemp("elastic-corpus")
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     for package in ("json", "wsgiref"):  # wsgiref/headers.py hashes into validation
