@@ -1,7 +1,9 @@
 """Drain a Ray node the way a spot pre-emption does: reason PREEMPTION, with a deadline.
 
 Ray Train then reports the pre-emption to the workers (``ray.train.get_preemption_info()``),
-which take a just-in-time checkpoint; Ray stops scheduling on the node and ends it at the deadline.
+which take a just-in-time checkpoint; Ray stops scheduling on the node. A busy node stays up, draining,
+until something ends it: the cloud, at about the deadline (Ray's test ``Cluster`` never does); an idle
+node Ray ends at once.
 """
 
 import time
