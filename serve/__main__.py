@@ -5,14 +5,41 @@ as ``kill``, ``docker stop`` and systemd send it), then shuts Serve down.
 On a cluster, deploy serve/deploy.yaml with ``serve deploy`` instead.
 """
 
+import argparse
+import errno
 import os
 import signal
+import socket
 import sys
 import time
 
 from serve.config import ServeConfig, load_serve_config
 from train.cli import config_errors_exit_2, config_parser, print_config
 from train.schema import ConfigError
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1-65535)")
+    return int(text)
+
+
+def check_can_listen(host: str, port: int, setting: str) -> None:
+    """That a server can listen on ``host``:``port`` here. Checked before a local Ray starts: Serve's proxy
+    would find the port taken only ~30 s later, print pages of tracebacks and stop the command."""
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT does not count
+            sock.bind(address)
+    except socket.gaierror as exc:
+        raise ConfigError(f"--host: cannot resolve {host!r}: {exc.strerror}") from None
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(f"{setting}: {host}:{port} is in use (another server?); give another port") from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise ConfigError(f"--host: {host} is not an address of this machine") from None
+        raise ConfigError(f"{setting}: cannot listen on {host}:{port}: {exc.strerror}") from None
 
 
 def _interrupt(signum: int, frame) -> None:
@@ -29,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--checkpoint", help="training export or run directory (local path or URI)")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
+    parser.add_argument("--port", type=_port, default=8000, help="HTTP port (default: 8000)")
     parser.add_argument(
         "--ingress",
         choices=("proxy", "haproxy"),
@@ -46,6 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print_config(cfg)
         return 0
+    if not os.environ.get("RAY_ADDRESS"):  # a Ray started here, whose Serve listens on this machine
+        check_can_listen(args.host, args.port, "--port")
+        if args.ingress == "haproxy":
+            from serve.ingress import HAPROXY_PORTS
+
+            for name, port in HAPROXY_PORTS.items():
+                check_can_listen("0.0.0.0", int(os.environ.get(name, port)), name)
     from train.run_layout import resolve_export
 
     try:

@@ -20,7 +20,8 @@ from train.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
 
-# (command, what its one line must name); {tmp} is a per-session directory with the files below.
+# (command, what its one line must name); {tmp} is a per-session directory with the files below, {busy} a port
+# that something listens on.
 CASES = [
     ("train --set optim.lrr=1", "unknown key optim.lrr"),
     ("train --set x=[", "override 'x=['"),
@@ -51,9 +52,17 @@ CASES = [
     ("serve --checkpoint {tmp}/resumed/tiny", "export one of its checkpoints first: python -m train.export_checkpoint"),
     ("serve --checkpoint x --set precision=int4", "precision"),
     ("serve --checkpoint x --set api_key=s3cret", "unknown key api_key"),
+    ("serve --checkpoint x --port 70000", "argument --port: '70000' is not a TCP port"),
+    ("serve --checkpoint x --port {busy}", "is in use (another server?)"),
     ("train.export_checkpoint {tmp}/no-such-run", "holds no complete checkpoint"),
     ("train.export_checkpoint {tmp}/resumed/tiny --step 3", "no checkpoint of step 3 (it has ['step_00000004'])"),
     ("train.export_checkpoint {tmp}/resumed/tiny --out {tmp}/users-own", "--out"),
+    ("train.data prepare --out {tmp}/prepared --seq-len 0", "argument --seq-len: must be greater than or equal to 1"),
+    ("train.data prepare --out {tmp}/prepared --val-fraction 0.5", "argument --val-fraction: must be less than 0.5"),
+    ("train.data prepare --out {tmp}/prepared --tokenizer bpe --vocab-size 70000", "argument --vocab-size"),
+    ("train.data prepare --out {tmp}/prepared --tokenizer {tmp}/no-such-tokenizer", "--tokenizer: no tokenizer.json"),
+    ("train.data prepare --source {tmp}/no-such-corpus --out {tmp}/prepared", "data.source: cannot read"),
+    ("train.data prepare --out {tmp}/users-own", "users-own holds files that are not a prepared dataset"),
     ("cluster submit train --config tiny --set optim.lr=x", "optim.lr"),
     ("cluster submit tune --config nosuch", "--config"),
     ("cluster submit train --config tiny --env FOO", "--env"),
@@ -79,9 +88,12 @@ def answers(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     # Object storage that cannot be reached (a closed port) and no instance metadata to ask for credentials.
     env = {"AWS_ENDPOINT_URL_S3": "http://127.0.0.1:9", "AWS_EC2_METADATA_DISABLED": "true", "RAY_ADDRESS": ""}
 
+    busy = socket.create_server(("127.0.0.1", 0))
+
     def run(command: str) -> subprocess.CompletedProcess:
+        command = command.replace("{tmp}", str(tmp)).replace("{busy}", str(busy.getsockname()[1]))
         return subprocess.run(
-            [sys.executable, "-m", *shlex.split(command.replace("{tmp}", str(tmp)))],
+            [sys.executable, "-m", *shlex.split(command)],
             cwd=tmp,
             env={**os.environ, **env},
             capture_output=True,
@@ -89,10 +101,10 @@ def answers(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
             timeout=120,
         )
 
-    with ThreadPoolExecutor(4) as pool:
+    with busy, ThreadPoolExecutor(4) as pool:
         done = dict(zip([c for c, _ in CASES], pool.map(run, [c for c, _ in CASES]), strict=True))
     assert (tmp / "users-own" / "notes.txt").read_text() == "mine"  # a refused data.path is left as it was
-    assert not (tmp / "runs").exists()  # a rejected run writes nothing
+    assert not (tmp / "runs").exists() and not (tmp / "prepared").exists()  # a rejected run writes nothing
     assert [p.name for p in (tmp / "resumed").iterdir()] == ["tiny"]
     return done
 

@@ -5,11 +5,12 @@ import argparse
 import functools
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import yaml
 from pydantic import BaseModel
 
-from train.schema import ConfigError, fields_help
+from train.schema import ConfigError, Section, fields_help, load_yaml, parse
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -37,6 +38,19 @@ def config_parser(prog: str, description: str, schema: type[BaseModel], config_h
     )
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     return parser
+
+
+def setting_type(section: type[Section], name: str) -> Callable[[str], Any]:
+    """An argparse ``type`` that reads a flag as ``--set`` reads the field ``name`` of ``section`` (YAML, then
+    the field's rules), so that a flag and the setting it stands for refuse the same values."""
+
+    def convert(text: str) -> Any:
+        try:
+            return getattr(parse(section, {name: load_yaml(text, name)}), name)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{name}: ")) from None
+
+    return convert
 
 
 def print_config(config: BaseModel) -> None:

@@ -16,7 +16,7 @@ from train.batching import check_batch_divides
 from train.hf_gpt2 import read_model_config, weight_files
 from train.model_config import ModelConfig
 from train.schema import ConfigError, Name, Section, find_config_file, parse, read_tree, replace, shipped_names
-from train.tokenizer import MAX_VOCAB, ByteTokenizer, load_tokenizer
+from train.tokenizer import MAX_VOCAB, BPETokenizer, ByteTokenizer, load_tokenizer
 
 RECIPE_DIR = Path(__file__).with_name("recipes")  # package data: the same in a checkout and in a wheel
 
@@ -299,16 +299,22 @@ def resolve_model(cfg: TrainConfig) -> TrainConfig:
     if data.tokenizer == "bpe":
         vocab = data.vocab_size
     else:
-        try:
-            tokenizer = ByteTokenizer() if data.tokenizer == "byte" else load_tokenizer(data.tokenizer)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"data.tokenizer: {exc}") from None
+        tokenizer = tokenizer_setting(data.tokenizer)
         if isinstance(tokenizer, ByteTokenizer):  # also a byte-level export's: it reuses byte-level datasets
             data = replace(data, tokenizer="byte")
         vocab = tokenizer.vocab_size
     if model.vocab_size < vocab:
         model = replace(model, vocab_size=vocab)
     return replace(cfg, model=model, data=data)
+
+
+def tokenizer_setting(choice: str, key: str = "data.tokenizer") -> BPETokenizer:
+    """The tokenizer that ``choice`` names (byte, a tokenizer.json or a model directory holding one), read
+    before Ray starts; what cannot be read is a ConfigError naming ``key``."""
+    try:
+        return ByteTokenizer() if choice == "byte" else load_tokenizer(choice)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{key}: {exc}") from None
 
 
 def config_from_dict(values: dict[str, Any]) -> TrainConfig:

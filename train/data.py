@@ -27,8 +27,9 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from train import storage
-from train.cli import OneLineParser, config_errors_exit_2
-from train.config import TrainConfig
+from train.cli import OneLineParser, config_errors_exit_2, setting_type
+from train.config import DataConfig, TrainConfig, tokenizer_setting
+from train.model_config import ModelConfig
 from train.schema import ConfigError
 from train.split_rows import SplitRows
 from train.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer, save_tokenizer, train_bpe
@@ -386,15 +387,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="python -m train.data", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     prep = sub.add_parser("prepare", help="tokenize a corpus into Parquet shards")
+    # The flags are settings of a recipe and refuse what --set refuses.
     prep.add_argument("--source", default="", help="file, directory or glob; local or URI (default: Python stdlib)")
     prep.add_argument("--out", required=True, help="output directory (local or URI)")
-    prep.add_argument("--seq-len", type=int, default=256)
-    prep.add_argument("--val-fraction", type=float, default=0.02)
+    prep.add_argument("--seq-len", type=setting_type(ModelConfig, "seq_len"), default=256)
+    prep.add_argument("--val-fraction", type=setting_type(DataConfig, "val_fraction"), default=0.02)
     prep.add_argument("--text-column", default="text", help="column holding the text in JSONL/Parquet")
     prep.add_argument("--tokenizer", default="byte", help="byte, bpe (trained on the source), or a tokenizer path")
-    prep.add_argument("--vocab-size", type=int, default=4096, help="vocabulary of a trained BPE")
+    prep.add_argument(
+        "--vocab-size", type=setting_type(DataConfig, "vocab_size"), default=4096, help="vocabulary of a trained BPE"
+    )
     args = parser.parse_args(argv)
-    refuse_foreign(args.out)  # before Ray starts
+    # Before Ray starts: what would otherwise fail after it, or after the corpus is read.
+    refuse_foreign(args.out)
+    list_source(args.source or default_source())
+    if args.tokenizer != "bpe":
+        tokenizer_setting(args.tokenizer, "--tokenizer")
     import ray
 
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
