@@ -27,6 +27,7 @@ CASES = [
     ("train --set x=[", "override 'x=['"),
     ("train --config {tmp}/malformed.yaml", "not valid YAML at line"),
     ("train --config nosuch", "--config: no recipe 'nosuch'"),
+    ("train --config {tmp}/broken.json", "broken.json is not a YAML file"),
     ("train --set model.n_head=0", "model.n_head"),
     ("train --set optim.lr=.nan", "optim.lr"),
     ("train --set run.name=..", "run.name"),

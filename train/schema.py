@@ -182,6 +182,8 @@ def find_config_file(name: str, directory: Path, what: str) -> str:
         return name
     path = Path(name).expanduser()
     if path.suffix not in (".yaml", ".yml"):
+        if path.is_file() and path.parent != Path():  # a name alone is a shipped file's, whatever is here
+            raise ConfigError(f"--config: {name} is not a YAML file (a {what} path ends in .yaml or .yml)")
         path = directory / f"{name}.yaml"
     if not path.is_file():
         raise ConfigError(
