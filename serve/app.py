@@ -27,7 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
 
@@ -68,7 +68,7 @@ class SamplingFields(StrictBody):
         None, description="A sequence, or up to 4, that ends the text (not included)."
     )
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Makes sampling repeatable, alone or in a batch.")
-    n: int = Field(1, ge=1, le=8, description="Completions per request (choice i is seeded seed + i).")
+    n: int = Field(1, ge=1, le=8, description="Completions per prompt (its choice i is seeded seed + i).")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted once from generated tokens.")
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted per occurrence.")
     user: str | None = Field(None, max_length=256, description="The end user's id, for the server's logs.")
@@ -79,10 +79,43 @@ class SamplingFields(StrictBody):
         return [self.stop] if isinstance(self.stop, str) else self.stop or []
 
 
+def _prompt_form(value: Any) -> str | None:
+    """Which of OpenAI's prompt forms ``value`` takes (by its first item), so that an error is that form's."""
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, list):
+        return {int: "tokens", str: "texts", list: "token_lists"}.get(type(value[0]) if value else int)
+    return None
+
+
+MAX_PROMPTS = 32  # per request; each takes n of the replica's batch slots
+Text = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[int], Field(min_length=1)]
+Prompt = Annotated[
+    Annotated[Text, Tag("text")]
+    | Annotated[TokenIds, Tag("tokens")]
+    | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS), Tag("texts")]
+    | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS), Tag("token_lists")],
+    Discriminator(
+        _prompt_form,
+        custom_error_type="prompt_form",
+        custom_error_message="Input should be a string, a list of token ids, or a list of either",
+    ),
+]
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str = Field(min_length=1, description="The text to continue.")
+    prompt: Prompt = Field(
+        description=f"The text to continue, or its token ids; or a batch of up to {MAX_PROMPTS} of either, whose "
+        "choices come in order, n per prompt."
+    )
     logprobs: int | None = Field(None, ge=0, le=5, description="Logprobs of each token and of the k most likely.")
     echo: bool = Field(False, description="Return the prompt before the completion (with logprobs, its logprobs).")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: its one prompt, or its batch."""
+        one = isinstance(self.prompt, str) or isinstance(self.prompt[0], int)
+        return [self.prompt] if one else list(self.prompt)
 
 
 class ChatMessage(StrictBody):
@@ -132,6 +165,8 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     if first["type"] == "json_invalid":
         return error_response(400, "the request body is not valid JSON")
     where = [str(part) for part in first["loc"][1:]]  # loc[0] is "body"
+    if where[:1] == ["prompt"] and len(where) > 1:
+        del where[1]  # the prompt's form, which the message implies
     if not where:  # the body as a whole: not JSON (say, a form) or not an object
         return error_response(400, "the request body is not a JSON object")
     return error_response(400, f"{'.'.join(where)}: {first['msg']}", where[0])
@@ -270,20 +305,24 @@ class CompletionServer:
 
     @api.post("/v1/completions", dependencies=[Depends(require_api_key)], responses={400: {"model": ErrorBody}})
     async def completions(self, body: CompletionRequest) -> Response:
-        prompt = self._prompt_tokens(body, body.prompt)
+        prompts = body.prompts()
+        tokens = [self._prompt_tokens(body, prompt) for prompt in prompts]
         params = self._params(body, body.logprobs, prompt_logprobs=body.echo and body.logprobs is not None)
         reply = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "model": self.model_name}
-        echo = body.prompt if body.echo else ""
 
         def choice(index: int, seq: Sequence, text: str, finish: str | None, logprobs: list, first: bool) -> dict:
-            out = {"text": (echo if first else "") + text, "index": index, "logprobs": None, "finish_reason": finish}
+            with_prompt = first and body.echo
+            echo = ""
+            if with_prompt:
+                prompt = prompts[index // body.n]
+                echo = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt).decode(errors="replace")
+            out = {"text": echo + text, "index": index, "logprobs": None, "finish_reason": finish}
             if body.logprobs is not None:
-                with_prompt = first and body.echo
                 prompt_part = [None, *seq.prompt_logprobs] if with_prompt else []
-                out["logprobs"] = self._completion_logprobs(prompt if with_prompt else [], prompt_part, logprobs)
+                out["logprobs"] = self._completion_logprobs(seq.prompt if with_prompt else [], prompt_part, logprobs)
             return out
 
-        return await self._respond(body, reply, prompt, params, choice)
+        return await self._respond(body, reply, tokens, params, choice)
 
     @api.post("/v1/chat/completions", dependencies=[Depends(require_api_key)], responses={400: {"model": ErrorBody}})
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
@@ -308,14 +347,21 @@ class CompletionServer:
                 "finish_reason": finish,
             }
 
-        return await self._respond(body, reply, prompt, params, choice)
+        return await self._respond(body, reply, [prompt], params, choice)
 
-    def _prompt_tokens(self, body: SamplingFields, text: str, param: str = "prompt") -> list[int]:
+    def _prompt_tokens(self, body: SamplingFields, prompt: str | list[int], param: str = "prompt") -> list[int]:
+        """The tokens of a prompt (text, or token ids checked against the vocabulary) that fit the context."""
         if body.model is not None and body.model != self.model_name:
             raise ApiError(
                 404, f"model: {body.model!r} is not served here; this server has {self.model_name!r}", "model"
             )
-        prompt = [int(t) for t in self.tokenizer.encode(text)]
+        if isinstance(prompt, str):
+            prompt = [int(t) for t in self.tokenizer.encode(prompt)]
+        else:
+            vocab = self.tokenizer.vocab_size
+            unknown = [t for t in prompt if not 0 <= t < vocab]
+            if unknown:
+                raise ApiError(400, f"{param}: token id {unknown[0]} is not in the vocabulary (0-{vocab - 1})", param)
         if not prompt:
             raise ApiError(400, f"{param}: the text encodes to no tokens", param)
         if len(prompt) >= self.context:
@@ -369,16 +415,18 @@ class CompletionServer:
 
         return {**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
 
-    async def _respond(self, body: SamplingFields, reply: dict, prompt: list[int], params, choice) -> Response:
-        """Run ``n`` generations; a JSON body, or SSE chunks (each choice's tokens as they come).
+    async def _respond(self, body: SamplingFields, reply: dict, prompts: list[list[int]], params, choice) -> Response:
+        """Run ``n`` generations of each prompt; a JSON body, or SSE chunks (each choice's tokens as they come).
+        Choice ``p * n + i`` is prompt p's i-th, seeded ``seed + i``: a prompt gets the same texts in a batch.
 
         ``choice(index, sequence, text, finish_reason, logprobs, first)`` formats one choice.
         """
         seeds = [None if params.seed is None else params.seed + i for i in range(body.n)]
-        sequences = [Sequence(prompt, replace(params, seed=seed)) for seed in seeds]
+        sequences = [Sequence(prompt, replace(params, seed=seed)) for prompt in prompts for seed in seeds]
+        prompt_tokens = sum(len(prompt) for prompt in prompts)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            events = self._sse(reply, sequences, choice, len(prompt), usage)
+            events = self._sse(reply, sequences, choice, prompt_tokens, usage)
             return StreamingResponse(events, media_type="text/event-stream")
         start = time.perf_counter()
         results = await asyncio.gather(*(self._collect(seq) for seq in sequences))
@@ -390,7 +438,7 @@ class CompletionServer:
         for index, (seq, chunks) in enumerate(zip(sequences, results, strict=True)):
             text, logprobs = "".join(c.text for c in chunks), [lp for c in chunks for lp in c.logprobs]
             choices.append(choice(index, seq, text, chunks[-1].finish_reason, logprobs, True))
-        usage = self._usage(len(prompt), sum(c.tokens for chunks in results for c in chunks))
+        usage = self._usage(prompt_tokens, sum(c.tokens for chunks in results for c in chunks))
         return JSONResponse({**reply, "created": int(time.time()), "choices": choices, "usage": usage})
 
     @staticmethod

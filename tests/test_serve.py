@@ -121,6 +121,12 @@ BAD_REQUESTS = [
     ({"prompt": ""}, "prompt"),
     ({"prompt": 5}, "prompt"),
     ({"prompt": "x" * 200}, "prompt"),  # longer than the 96-token context
+    ({"prompt": []}, "prompt"),
+    ({"prompt": ["Grüße", ""]}, "prompt"),
+    ({"prompt": [[71], "Grüße"]}, "prompt"),
+    ({"prompt": ["x"] * 33}, "prompt"),  # a batch of at most 32
+    ({"prompt": [71, 257]}, "prompt"),  # past the byte-level vocabulary (0-256)
+    ({"prompt": [True]}, "prompt"),
     ({"prompt": "hi", "max_tokens": "4"}, "max_tokens"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "hi", "max_tokens": 95}, "max_tokens"),  # prompt + max_tokens > context
@@ -361,6 +367,34 @@ def test_openai_client_uses_n_logprobs_echo_usage_penalties_and_user(server):
         model="memorized", prompt="3 € für", max_tokens=40, temperature=0, frequency_penalty=2.0, presence_penalty=2.0
     )
     assert penalized.choices[0].text != plain.choices[0].text
+
+
+def test_a_batch_of_prompts_or_token_ids_gets_each_prompts_choices_in_order_as_it_would_alone(server):
+    """OpenAI's prompt forms, as evaluation harnesses send them: texts, token ids, or a list of either."""
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    texts = ["Grüße", "3 € für", "🚀"]
+    sampled = {"model": "memorized", "max_tokens": 8, "temperature": 1.0, "seed": 7, "n": 2}
+    alone = [choice.text for text in texts for choice in client.completions.create(prompt=text, **sampled).choices]
+    batch = client.completions.create(prompt=texts, **sampled)
+    assert [c.index for c in batch.choices] == list(range(6))  # prompt p's choice i at p * n + i
+    assert [c.text for c in batch.choices] == alone
+    assert batch.usage.prompt_tokens == sum(len(text.encode()) for text in texts)
+    # The byte-level tokenizer's ids are the UTF-8 bytes: the same prompts as token ids, alone and as a batch.
+    ids = [list(text.encode()) for text in texts]
+    assert [c.text for c in client.completions.create(prompt=ids, **sampled).choices] == alone
+    echoed = client.completions.create(prompt=ids[0], **{**sampled, "n": 1, "echo": True}).choices[0].text
+    assert echoed == texts[0] + alone[0]
+
+    greedy = complete(server, prompt=texts, max_tokens=8, temperature=0).json()["choices"]
+    with requests.post(
+        f"{server}/v1/completions",
+        json={"prompt": texts, "max_tokens": 8, "temperature": 0, "stream": True},
+        stream=True,
+        timeout=60,
+    ) as streamed:
+        events = [line[6:] for line in streamed.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+    chunks = [choice for event in events[:-1] for choice in json.loads(event)["choices"]]
+    assert ["".join(c["text"] for c in chunks if c["index"] == i) for i in range(3)] == [c["text"] for c in greedy]
 
 
 def test_chat_completions_for_models_with_a_chat_template_only(server):
