@@ -109,6 +109,11 @@ class CompletionRequest(SamplingFields):
         description=f"The text to continue, or its token ids; or a batch of up to {MAX_PROMPTS} of either, whose "
         "choices come in order, n per prompt."
     )
+    max_tokens: int = Field(
+        16,
+        ge=0,
+        description="Tokens to generate at most; prompt + max_tokens <= context. 0 with echo scores the prompt.",
+    )
     logprobs: int | None = Field(None, ge=0, le=5, description="Logprobs of each token and of the k most likely.")
     echo: bool = Field(False, description="Return the prompt before the completion (with logprobs, its logprobs).")
 
@@ -305,6 +310,12 @@ class CompletionServer:
 
     @api.post("/v1/completions", dependencies=[Depends(require_api_key)], responses={400: {"model": ErrorBody}})
     async def completions(self, body: CompletionRequest) -> Response:
+        if body.max_tokens == 0 and not body.echo:
+            raise ApiError(
+                400,
+                "max_tokens: 0 returns nothing without echo (with echo and logprobs, it scores the prompt)",
+                "max_tokens",
+            )
         prompts = body.prompts()
         tokens = [self._prompt_tokens(body, prompt) for prompt in prompts]
         params = self._params(body, body.logprobs, prompt_logprobs=body.echo and body.logprobs is not None)

@@ -198,6 +198,9 @@ class Engine:
         for seq, rows in prefilled:
             if seq.params.prompt_logprobs:
                 self._guarded(seq, lambda seq=seq, rows=rows: self._record_prompt_logprobs(seq, rows))
+            if seq.params.max_tokens == 0 and seq.finish_reason is None:  # the prompt scored, nothing generated
+                seq.finish_reason = "length"
+                seq.chunks.append(Chunk("", "length", 0))
         prefilled = [(seq, rows) for seq, rows in prefilled if seq.finish_reason is None]
         if prefilled:
             self._accept([seq for seq, _ in prefilled], torch.cat([rows[-1:] for _, rows in prefilled]))

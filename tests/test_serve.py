@@ -128,7 +128,8 @@ BAD_REQUESTS = [
     ({"prompt": [71, 257]}, "prompt"),  # past the byte-level vocabulary (0-256)
     ({"prompt": [True]}, "prompt"),
     ({"prompt": "hi", "max_tokens": "4"}, "max_tokens"),
-    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),  # without echo: nothing to return
+    ({"prompt": "hi", "max_tokens": -1, "echo": True}, "max_tokens"),
     ({"prompt": "hi", "max_tokens": 95}, "max_tokens"),  # prompt + max_tokens > context
     ({"prompt": "hi", "temperature": -1}, "temperature"),
     ({"prompt": "hi", "top_p": 0}, "top_p"),
@@ -370,7 +371,8 @@ def test_openai_client_uses_n_logprobs_echo_usage_penalties_and_user(server):
 
 
 def test_a_batch_of_prompts_or_token_ids_gets_each_prompts_choices_in_order_as_it_would_alone(server):
-    """OpenAI's prompt forms, as evaluation harnesses send them: texts, token ids, or a list of either."""
+    """OpenAI's prompt forms, as evaluation harnesses send them: texts, token ids, or a list of either; and
+    prompts scored, not continued."""
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
     texts = ["Grüße", "3 € für", "🚀"]
     sampled = {"model": "memorized", "max_tokens": 8, "temperature": 1.0, "seed": 7, "n": 2}
@@ -384,6 +386,13 @@ def test_a_batch_of_prompts_or_token_ids_gets_each_prompts_choices_in_order_as_i
     assert [c.text for c in client.completions.create(prompt=ids, **sampled).choices] == alone
     echoed = client.completions.create(prompt=ids[0], **{**sampled, "n": 1, "echo": True}).choices[0].text
     assert echoed == texts[0] + alone[0]
+    # Scoring, as harnesses measure log-likelihoods: max_tokens 0 with echo gives each prompt's logprobs alone.
+    scoring = {"model": "memorized", "echo": True, "logprobs": 1, "temperature": 0}
+    scored = client.completions.create(prompt=texts, max_tokens=0, **scoring)
+    assert [c.text for c in scored.choices] == texts and scored.usage.completion_tokens == 0
+    for text, choice in zip(texts, scored.choices, strict=True):
+        generated = client.completions.create(prompt=text, max_tokens=2, **scoring).choices[0].logprobs
+        assert choice.logprobs.token_logprobs == generated.token_logprobs[: len(text.encode())]
 
     greedy = complete(server, prompt=texts, max_tokens=8, temperature=0).json()["choices"]
     with requests.post(

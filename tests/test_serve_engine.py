@@ -276,6 +276,18 @@ def test_stop_sequences_and_max_tokens(memorized_export):
     assert (stopped.finish_reason, limited.finish_reason) == ("stop", "length")
 
 
+def test_a_prompt_scored_with_no_tokens_to_generate_gets_the_logprobs_a_generation_would(memorized_export):
+    engine = make_engine(memorized_export, "int8")
+    scored, generating = (
+        Sequence(encode("Grüße aus"), GenerationParams(max_tokens=n, temperature=0.0, logprobs=1, prompt_logprobs=True))
+        for n in (0, 5)
+    )
+    assert engine.run_batch([scored, generating]) == ["", " Köl"]
+    assert scored.finish_reason == "length" and scored.generated == 0 and not engine.live
+    assert len(scored.prompt_logprobs) == len(encode("Grüße aus")) - 1
+    assert scored.prompt_logprobs == generating.prompt_logprobs
+
+
 @pytest.mark.parametrize(
     "device, precision, compile",
     [
