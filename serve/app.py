@@ -117,10 +117,11 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=5, description="Logprobs of each token and of the k most likely.")
     echo: bool = Field(False, description="Return the prompt before the completion (with logprobs, its logprobs).")
 
-    def prompts(self) -> list[str | list[int]]:
-        """The request's prompts: its one prompt, or its batch."""
-        one = isinstance(self.prompt, str) or isinstance(self.prompt[0], int)
-        return [self.prompt] if one else list(self.prompt)
+    def prompts(self) -> dict[str, str | list[int]]:
+        """The request's prompts by the name an error gives each: its one prompt, or its batch's."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return {"prompt": self.prompt}
+        return {f"prompt.{i}": prompt for i, prompt in enumerate(self.prompt)}
 
 
 class ChatMessage(StrictBody):
@@ -316,8 +317,9 @@ class CompletionServer:
                 "max_tokens: 0 returns nothing without echo (with echo and logprobs, it scores the prompt)",
                 "max_tokens",
             )
-        prompts = body.prompts()
-        tokens = [self._prompt_tokens(body, prompt) for prompt in prompts]
+        named = body.prompts()
+        tokens = [self._prompt_tokens(body, prompt, name) for name, prompt in named.items()]
+        prompts = list(named.values())
         params = self._params(body, body.logprobs, prompt_logprobs=body.echo and body.logprobs is not None)
         reply = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "model": self.model_name}
 

@@ -125,6 +125,7 @@ BAD_REQUESTS = [
     ({"prompt": ["Grüße", ""]}, "prompt"),
     ({"prompt": [[71], "Grüße"]}, "prompt"),
     ({"prompt": ["x"] * 33}, "prompt"),  # a batch of at most 32
+    ({"prompt": ["hi", "x" * 200]}, "prompt.1: 200 tokens"),  # which prompt of the batch
     ({"prompt": [71, 257]}, "prompt"),  # past the byte-level vocabulary (0-256)
     ({"prompt": [True]}, "prompt"),
     ({"prompt": "hi", "max_tokens": "4"}, "max_tokens"),

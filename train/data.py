@@ -390,8 +390,12 @@ def main(argv: list[str] | None = None) -> int:
     # The flags are settings of a recipe and refuse what --set refuses.
     prep.add_argument("--source", default="", help="file, directory or glob; local or URI (default: Python stdlib)")
     prep.add_argument("--out", required=True, help="output directory (local or URI)")
-    prep.add_argument("--seq-len", type=setting_type(ModelConfig, "seq_len"), default=256)
-    prep.add_argument("--val-fraction", type=setting_type(DataConfig, "val_fraction"), default=0.02)
+    prep.add_argument(
+        "--seq-len", type=setting_type(ModelConfig, "seq_len"), default=256, help="model.seq_len of the runs to train"
+    )
+    prep.add_argument(
+        "--val-fraction", type=setting_type(DataConfig, "val_fraction"), default=0.02, help="share held out, < 0.5"
+    )
     prep.add_argument("--text-column", default="text", help="column holding the text in JSONL/Parquet")
     prep.add_argument("--tokenizer", default="byte", help="byte, bpe (trained on the source), or a tokenizer path")
     prep.add_argument(
