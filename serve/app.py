@@ -372,9 +372,9 @@ class CompletionServer:
             prompt = [int(t) for t in self.tokenizer.encode(prompt)]
         else:
             vocab = self.tokenizer.vocab_size
-            unknown = [t for t in prompt if not 0 <= t < vocab]
-            if unknown:
-                raise ApiError(400, f"{param}: token id {unknown[0]} is not in the vocabulary (0-{vocab - 1})", param)
+            unknown = next((t for t in prompt if not 0 <= t < vocab), None)
+            if unknown is not None:
+                raise ApiError(400, f"{param}: token id {unknown} is not in the vocabulary (0-{vocab - 1})", param)
         if not prompt:
             raise ApiError(400, f"{param}: the text encodes to no tokens", param)
         if len(prompt) >= self.context:

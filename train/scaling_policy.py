@@ -72,7 +72,7 @@ def reachable_nodes(node_ids) -> set[str]:
             socket.create_connection(address, timeout=RAYLET_CONNECT_TIMEOUT_S).close()
             reachable.add(node["NodeID"])
         except OSError:
-            logger.info("node %s does not answer: left out of the restart's size", node["NodeID"])
+            logger.info("node %s does not answer: left out of the workers' count", node["NodeID"])
     return reachable
 
 
