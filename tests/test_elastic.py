@@ -33,10 +33,12 @@ GLOBAL_BATCH = 12  # divides for 2 and 3 workers with micro batch 2
 
 @pytest.fixture(scope="module")
 def elastic_dataset(ray_session, tmp_path_factory) -> str:
-    """~770 training sequences: one epoch is ~64 steps of 12; the scenario's three resizes are done by step ~45."""
+    """~1,500 training sequences: one epoch is ~125 steps of 12. The pre-emption notice comes at step ~35 (the
+    grow before it waits for a node to start, however fast the steps), and its 6 s deadline must fall before the
+    run ends: ~55 steps at 3 workers on a fast 2-core machine, ~25 on a slow one."""
     corpus = tmp_path_factory.mktemp("elastic-corpus")
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for package in ("json", "wsgiref"):  # wsgiref/headers.py hashes into validation
+    for package in ("json", "wsgiref", "html"):  # wsgiref/headers.py hashes into validation
         shutil.copytree(stdlib / package, corpus / package, ignore=shutil.ignore_patterns("__pycache__"))
     out = str(tmp_path_factory.mktemp("elastic-data") / "ds")
     prepare(f"{corpus}/**/*.py", out, seq_len=load_config("tiny").model.seq_len, val_fraction=0.1)
