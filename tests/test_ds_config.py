@@ -97,17 +97,22 @@ def test_an_offloaded_optimizer_falls_back_to_torch_adamw_when_deepspeed_cannot_
     assert all(not torch.equal(b, p) for b, p in zip(before, engine.module.parameters(), strict=True))
 
 
+def _train_step(engine, cfg, loss_scale: float = 1.0) -> None:
+    """One optimizer step of the engine on random tokens: every micro-batch's forward and backward, then the step."""
+    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.optim.micro_batch_size, cfg.model.seq_len + 1))
+    for _ in range(engine.gradient_accumulation_steps()):
+        _, loss = engine(tokens[:, :-1], tokens[:, 1:])
+        engine.backward(loss * loss_scale)
+        engine.step()
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize("stage", [0, 2])
 def test_weight_decay_shrinks_weight_matrices_and_embeddings_not_biases_and_layer_norms(process_group, stage):
     cfg = load_config("tiny", [f"deepspeed.zero_stage={stage}", "optim.lr=1", "optim.weight_decay=0.5"])
     engine = build_engine(cfg, GPT(cfg.model), world_size=1)
     before = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
-    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.optim.micro_batch_size, cfg.model.seq_len + 1))
-    for _ in range(engine.gradient_accumulation_steps()):
-        _, loss = engine(tokens[:, :-1], tokens[:, 1:])
-        engine.backward(loss * 0.0)  # no gradient: Adam moves nothing, only the decay acts (lr 1 x 0.5)
-        engine.step()
+    _train_step(engine, cfg, loss_scale=0.0)  # no gradient: Adam moves nothing, only the decay acts (lr 1 x 0.5)
     for name, p in engine.module.named_parameters():
         decayed = p.dim() >= 2  # wte (tied to the head), wpe and every Linear's weight
         assert torch.allclose(p, before[name] * (0.5 if decayed else 1.0), atol=1e-6), name
@@ -132,10 +137,5 @@ def test_a_zero_3_step_warns_nothing_about_the_collectives_deepspeed_calls(proce
     cfg = load_config("tiny", ["deepspeed.zero_stage=3"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        engine = build_engine(cfg, GPT(cfg.model), world_size=1)
-        tokens = torch.randint(0, cfg.model.vocab_size, (cfg.optim.micro_batch_size, cfg.model.seq_len + 1))
-        for _ in range(engine.gradient_accumulation_steps()):
-            _, loss = engine(tokens[:, :-1], tokens[:, 1:])
-            engine.backward(loss)
-            engine.step()
+        _train_step(build_engine(cfg, GPT(cfg.model), world_size=1), cfg)
     assert [str(w.message) for w in caught if "torch.distributed" in str(w.message)] == []

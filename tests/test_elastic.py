@@ -71,12 +71,6 @@ def _add_node(cluster, disks: Path, disk: str | None = None):
     return cluster.add_node(num_cpus=1, resources={SLOT: 1, "spot": 1}, env_vars={"TMPDIR": disk})
 
 
-def _slot_nodes_ready(count: int) -> bool:
-    """Whether ``count`` live nodes offer a worker slot, and no other."""
-    alive = [node for node in ray.nodes() if node["Alive"] and SLOT in node["Resources"]]
-    return len(alive) == count and ray.available_resources().get(SLOT, 0) == count
-
-
 def _data_copied_at(disk: str) -> float:
     """When a node finished its copy of the training split (train/data.py), from the file's mtime."""
     (copy,) = Path(disk).glob("raywright-data/*/train.u16")
@@ -152,8 +146,9 @@ def test_shrink_grow_and_preemption_keep_the_numbers_exact(
     rows = load_manifest(elastic_dataset)["train"]["sequences"]
     max_steps = _epoch_steps(elastic_dataset)
     cfg = _config(elastic_dataset, str(tmp_path), f"elastic{stage}", stage, "[2,3]", max_steps)
-    # The run starts at 3 workers: the node the stage before added in place of its pre-empted one must be up.
-    wait_for_condition(lambda: _slot_nodes_ready(3), timeout=60)
+    # The run starts at 3 workers: the node the stage before added in place of its pre-empted one must be up, and
+    # the pre-empted one gone, in the resources Ray's policy sizes the run from.
+    wait_for_condition(lambda: ray.available_resources().get(SLOT, 0) == 3, timeout=60)
     result = []
     thread = threading.Thread(target=lambda: result.append(run_training(cfg)))
     thread.start()
