@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from train.config import load_config
-from train.decisions import Notice, Rank0View, StepPolicy, share_rank0_view
+from train.decisions import RESTART_WAIT_S, Notice, Rank0View, StepPolicy, share_rank0_view
 
 pytestmark = pytest.mark.unit
 
@@ -35,7 +35,9 @@ def test_a_notice_gets_a_checkpoint_at_once_and_a_last_one_before_its_deadline()
     assert steps.needs_view()
     assert steps.decide(8, Notice(deadline), clock).checkpoint == ""  # the same notice again: nothing new
     assert steps.decide(9, None, Rank0View(972.0, 0.0, 2.0, 10.0)).checkpoint == ""  # 28 s left > 27 s margin
-    assert steps.decide(10, None, Rank0View(973.5, 0.0, 2.0, 10.0)).checkpoint == "deadline"
+    last = steps.decide(10, None, Rank0View(973.5, 0.0, 2.0, 10.0))
+    # Ray Train restarts the run at the deadline: until then, and a while after, it waits rather than train on.
+    assert last.checkpoint == "deadline" and last.restart_wait_s == 26.5 + RESTART_WAIT_S
     assert steps.decide(11, None, Rank0View(990.0, 0.0, 2.0, 10.0)).checkpoint == ""  # once only
     assert not steps.needs_view()
 
@@ -74,6 +76,27 @@ def test_a_request_made_before_a_restart_is_answered_after_it():
         now=300.0, last_save=290.0, step_seconds=1, save_seconds=1, checkpoint_requested=250.0, answered_until=200.0
     )
     assert policy("checkpoint.every_steps=0").decide(1, None, resumed).checkpoint == "requested"
+
+
+def test_a_restart_request_is_waited_for_once_after_its_checkpoint_and_never_at_the_last_step():
+    """The scaling policy asks for a checkpoint to grow the run from: the run checkpoints, then waits for the
+    restart."""
+    steps = policy("checkpoint.every_steps=0")
+    assert not steps.decide(2, None, Rank0View(200.0, 100.0, 1, 1)).restart_wait_s  # nothing asked
+    asked = Rank0View(200.0, 100.0, 1, 1, checkpoint_requested=150.0, answered_until=100.0, restart_requested=150.0)
+    decision = steps.decide(3, None, asked)
+    assert decision.checkpoint == "requested" and decision.restart_wait_s == RESTART_WAIT_S
+    # No restart came: the run trains on, and the same request is not waited for again.
+    answered = Rank0View(300.0, 205.0, 1, 1, checkpoint_requested=150.0, answered_until=205.0, restart_requested=150.0)
+    decision = steps.decide(4, None, answered)
+    assert decision.checkpoint == "" and not decision.restart_wait_s
+    # A periodic checkpoint made after the request answers it: the run waits for the restart without another.
+    periodic = Rank0View(310.0, 305.0, 1, 1, checkpoint_requested=302.0, answered_until=305.0, restart_requested=302.0)
+    decision = steps.decide(6, None, periodic)
+    assert decision.checkpoint == "" and decision.restart_wait_s == RESTART_WAIT_S
+    last = Rank0View(400.0, 305.0, 1, 1, checkpoint_requested=390.0, answered_until=305.0, restart_requested=390.0)
+    decision = steps.decide(100, None, last)  # the run ends after its export, restarted or not
+    assert decision.checkpoint == "requested" and not decision.restart_wait_s
 
 
 def _decide_on_rank(rank: int, port: int, results) -> None:

@@ -1,4 +1,5 @@
-"""What the training loop does after each step (evaluate, checkpoint and why), decided alike on every rank.
+"""What the training loop does after each step (evaluate, checkpoint and why, wait for a restart), decided alike
+on every rank.
 
 A decision that leads ranks into collectives must be the same on every rank, or they wait in different
 collectives until the timeout. Step counts are the same everywhere, and Ray Train's
@@ -16,6 +17,11 @@ import torch.distributed as dist
 
 from train.config import TrainConfig
 
+# How long past a restart's due time (a pre-emption deadline, or the grow's checkpoint) a run waits for it before
+# it trains on: longer than the scaling policy's GROW_CHECKPOINT_WAIT_S, after which it grows whether or not the
+# checkpoint was recorded.
+RESTART_WAIT_S = 90.0
+
 
 @dataclass(frozen=True)
 class Rank0View:
@@ -29,12 +35,14 @@ class Rank0View:
     # Requests up to this time are answered: by the latest checkpoint, or, before this attempt made one,
     # by the checkpoint it resumed from (a request between that checkpoint and the restart still counts).
     answered_until: float = 0.0
+    # Time of a request (made during this attempt; else 0) for a checkpoint the run is about to be restarted from.
+    restart_requested: float = 0.0
 
 
 def share_rank0_view(mine: Rank0View, device: torch.device) -> Rank0View:
     """Rank 0's view on every rank (a collective)."""
     fields = [mine.now, mine.last_save, mine.step_seconds, mine.save_seconds, mine.checkpoint_requested]
-    fields.append(mine.answered_until)
+    fields += [mine.answered_until, mine.restart_requested]
     values = torch.tensor(fields, dtype=torch.float64).to(device)
     dist.broadcast(values, src=0)
     return Rank0View(*values.tolist())
@@ -51,6 +59,10 @@ class Notice:
 class Decision:
     evaluate: bool
     checkpoint: str  # why: final, steps, minutes, preemption, deadline, requested; "" = no checkpoint
+    # Ray Train is about to restart the run from its newest checkpoint (past a pre-emption deadline, or for a
+    # grow): once this step's checkpoint counts, wait up to this many seconds for the restart rather than train
+    # steps it would redo (0: train on).
+    restart_wait_s: float = 0.0
 
 
 class StepPolicy:
@@ -58,6 +70,8 @@ class StepPolicy:
 
     A notice gets a just-in-time checkpoint at once and, if it has a deadline, a last one shortly before
     it (two checkpoint durations plus three steps plus a second), so the steps trained meanwhile are kept.
+    Ray Train restarts the run at the deadline, and a grow restarts it from the checkpoint the scaling policy
+    asked for: after either checkpoint the run waits for the restart, up to ``RESTART_WAIT_S`` past it.
     """
 
     def __init__(self, cfg: TrainConfig):
@@ -67,6 +81,7 @@ class StepPolicy:
         self.every_seconds = 60 * cfg.checkpoint.every_minutes
         self.notice_seen = False
         self.deadline: float | None = None  # of the pre-emption notice, until the last checkpoint before it
+        self.restart_awaited = 0.0  # the time of the latest restart request decided on
 
     def needs_view(self) -> bool:
         """Whether every step's decision depends on the time (then pass ``share_rank0_view`` to ``decide``).
@@ -79,7 +94,16 @@ class StepPolicy:
     def decide(self, step: int, notice: Notice | None, view: Rank0View | None) -> Decision:
         """The decision after ``step``, given a pre-emption notice seen at this step, if any."""
         evaluate = step % self.eval_every == 0 or step == self.max_steps
-        return Decision(evaluate, self._checkpoint_reason(step, notice, view))
+        deadline = self.deadline
+        reason = self._checkpoint_reason(step, notice, view)
+        restart_wait = 0.0
+        if view is not None and step < self.max_steps:  # at the last step the run ends anyway, after its export
+            if reason == "deadline":
+                restart_wait = deadline - view.now + RESTART_WAIT_S
+            if view.restart_requested > self.restart_awaited:
+                self.restart_awaited = view.restart_requested
+                restart_wait = max(restart_wait, RESTART_WAIT_S)
+        return Decision(evaluate, reason, restart_wait)
 
     def _checkpoint_reason(self, step: int, notice: Notice | None, view: Rank0View | None) -> str:
         if notice is not None and not self.notice_seen:

@@ -1,9 +1,10 @@
 """Early checkpoints asked of training runs, and the time of each run's latest one, through Ray's KV store.
 
 The spot drainer asks every run on the cluster (a rebalance recommendation); the scaling policy asks one
-run, before it restarts the run at a larger size (train/scaling_policy.py). Rank 0 reads both requests at
-its pre-emption polls and the run checkpoints once, unless a checkpoint already followed the request;
-after every checkpoint rank 0 records its time, which tells the scaling policy its request was answered.
+run for a checkpoint to restart it from at a larger size (train/scaling_policy.py). Rank 0 reads both
+requests at its pre-emption polls and the run checkpoints once, unless a checkpoint already followed the
+request; after every checkpoint rank 0 records its time, which tells the scaling policy its request was
+answered. Asked for a restart, the run then waits for it rather than train steps the restart would redo.
 Kept free of torch: the drainer imports it.
 """
 
@@ -30,14 +31,27 @@ def _put_time(key: bytes, when: float) -> None:
 
 def latest_checkpoint_request(run_uri: str) -> float:
     """When an early checkpoint was last asked of this run or of every run (0: never)."""
-    return max(_time_at(CHECKPOINT_REQUEST_KEY), _time_at(_run_key("checkpoint-request", run_uri)))
+    return max(_time_at(CHECKPOINT_REQUEST_KEY), latest_restart_request(run_uri))
 
 
-def request_checkpoint(run_uri: str | None = None) -> float:
-    """Ask the run at ``run_uri`` (None: every training run on this cluster) for an early checkpoint, taken
-    at its next pre-emption poll; returns the request's time."""
+def latest_restart_request(run_uri: str) -> float:
+    """When this run was last asked for a checkpoint to be restarted from (0: never)."""
+    return _time_at(_run_key("restart-request", run_uri))
+
+
+def request_checkpoint() -> float:
+    """Ask every training run on this cluster for an early checkpoint, taken at its next pre-emption poll;
+    returns the request's time."""
     now = time.time()
-    _put_time(_run_key("checkpoint-request", run_uri) if run_uri else CHECKPOINT_REQUEST_KEY, now)
+    _put_time(CHECKPOINT_REQUEST_KEY, now)
+    return now
+
+
+def request_restart_checkpoint(run_uri: str) -> float:
+    """Ask the run at ``run_uri`` for a checkpoint, taken at its next pre-emption poll, that it is about to be
+    restarted from; returns the request's time."""
+    now = time.time()
+    _put_time(_run_key("restart-request", run_uri), now)
     return now
 
 

@@ -26,7 +26,7 @@ from train.config import TrainConfig, config_from_dict
 from train.data import load_split
 from train.decisions import Notice, Rank0View, StepPolicy, share_rank0_view
 from train.ds_config import build_engine, compiles
-from train.early_checkpoint import latest_checkpoint_request, record_checkpoint
+from train.early_checkpoint import latest_checkpoint_request, latest_restart_request, record_checkpoint
 from train.export import export_model
 from train.hf_gpt2 import load_weights
 from train.loader import SampleOrder, micro_batch_samples
@@ -365,8 +365,22 @@ class Trainer:
             metrics.update(self._evaluate())
         if decision.checkpoint:
             metrics.update(self._checkpoint(decision.checkpoint))
+        if decision.restart_wait_s and self.pending:  # the restart resumes from the newest checkpoint that counts
+            metrics.update(self._settle_checkpoint(wait=True))
         if metrics:
             self._report(metrics)
+        if decision.restart_wait_s and self.failed_checkpoints == 0:
+            self._await_restart(decision.restart_wait_s)
+
+    def _await_restart(self, seconds: float) -> None:
+        """Idle until Ray Train restarts the run from the checkpoint just counted, tearing this worker down: steps
+        trained meanwhile would be redone, and one under way when Ray destroys the process group fails with a
+        traceback that reads like a crash. Without a restart within ``seconds``, training goes on."""
+        if self.rank == 0:
+            print(f"step {self.step} | checkpointed for a restart: waiting for it", flush=True)
+        time.sleep(seconds)
+        if self.rank == 0:
+            print(f"warning: no restart came in {seconds:.0f} s; training goes on", flush=True)
 
     def _training_metrics(self) -> dict[str, Any]:
         cfg, world = self.cfg, self.world
@@ -410,8 +424,14 @@ class Trainer:
                 notice = Notice(deadline=info.deadline_ms / 1000 if info.deadline_ms else None)
         if not (due or self.policy.needs_view()):
             return notice, None
-        requested = latest_checkpoint_request(self.run_uri) if due and self.rank == 0 else 0.0
-        mine = Rank0View(time.time(), self.last_save, step_seconds, self.save_seconds, requested, self.answered_until)
+        requested = restart = 0.0
+        if due and self.rank == 0:
+            requested, restart = latest_checkpoint_request(self.run_uri), latest_restart_request(self.run_uri)
+            if restart < self.startup["entered"]:  # asked of an earlier attempt: this attempt is its restart
+                restart = 0.0
+        mine = Rank0View(
+            time.time(), self.last_save, step_seconds, self.save_seconds, requested, self.answered_until, restart
+        )
         return notice, share_rank0_view(mine, self.engine.device)
 
     def _checkpoint(self, reason: str) -> dict[str, Any]:
