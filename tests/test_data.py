@@ -9,11 +9,12 @@ import textwrap
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 from ray._common.test_utils import wait_for_condition
 
-from train.data import COPY_SOURCE, list_source, load_manifest, load_split, prepare
+from train.data import COPY_SOURCE, _files_below, list_source, load_manifest, load_split, prepare
 from train.loader import SampleOrder, micro_batch_samples
 from train.schema import ConfigError
 from train.tokenizer import ByteTokenizer, load_tokenizer
@@ -216,6 +217,20 @@ def test_bad_sources_name_the_problem(ray_session, tmp_path):
         list_source(f"{tmp_path}/*.parquet")
     with pytest.raises(ValueError, match="data.text_column: no column 'body'"):
         prepare(str(tmp_path / "a.jsonl"), str(tmp_path / "out"), 8, text_column="body")
+
+
+@pytest.mark.unit
+def test_a_source_leaves_out_installed_packages_and_bytecode_on_any_filesystem(tmp_path):
+    """The default source is the stdlib directory, which holds site-packages: it is never read, nor listed."""
+    for name in ("json/decoder.py", "site-packages/torch/nn.py", "json/__pycache__/decoder.pyc", "README.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x")
+    assert list_source(f"{tmp_path}/**/*.py")[1] == [str(tmp_path / "json/decoder.py")]
+    local = sorted(_files_below(pafs.LocalFileSystem(), str(tmp_path)))
+    assert local == [str(tmp_path / "README.txt"), str(tmp_path / "json/decoder.py")]
+    # Object storage is listed at once (a listing per folder would be a request each), then filtered alike.
+    subtree = pafs.SubTreeFileSystem(str(tmp_path), pafs.LocalFileSystem())
+    assert sorted(_files_below(subtree, "")) == ["README.txt", "json/decoder.py"]
 
 
 def test_sample_order_is_a_pure_function_of_seed_epoch_and_index():

@@ -73,13 +73,31 @@ def _source_files(source: str) -> tuple[pafs.FileSystem, list[str]]:
         raise FileNotFoundError("no such file or directory")
     if info.type == pafs.FileType.File:
         return fs, [base]
-    infos = fs.get_file_info(pafs.FileSelector(base, recursive=True))
-    files = [i.path for i in infos if i.type == pafs.FileType.File]
+    files = _files_below(fs, base)
     if is_glob:
         pattern = path.replace("**/", "*")
         files = [f for f in files if fnmatch.fnmatch(f, pattern)]
-    # Installed packages sit under the stdlib directory but are not the stdlib.
-    return fs, [f for f in files if "site-packages" not in f and "__pycache__" not in f]
+    return fs, files
+
+
+# Installed packages sit under the stdlib directory (the default source) but are not the stdlib.
+SKIPPED_DIRS = {"site-packages", "__pycache__"}
+
+
+def _files_below(fs: pafs.FileSystem, base: str) -> list[str]:
+    """Every file below the directory ``base``, none in a ``SKIPPED_DIRS`` folder."""
+    if isinstance(fs, pafs.LocalFileSystem):  # skipped as it walks: site-packages can hold 40x the stdlib's files
+        files = []
+        for folder, subfolders, names in os.walk(base):
+            subfolders[:] = [d for d in subfolders if d not in SKIPPED_DIRS]
+            files += [os.path.join(folder, name) for name in names if os.path.isfile(os.path.join(folder, name))]
+        return files
+    infos = fs.get_file_info(pafs.FileSelector(base, recursive=True))  # one listing, where each is a request
+    return [
+        i.path
+        for i in infos
+        if i.type == pafs.FileType.File and not SKIPPED_DIRS & set(i.path[len(base) :].split("/")[:-1])
+    ]
 
 
 def _kind(path: str) -> str:
