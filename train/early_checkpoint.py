@@ -25,8 +25,9 @@ def _time_at(key: bytes) -> float:
     return float(value) if value else 0.0
 
 
-def _put_time(key: bytes, when: float) -> None:
+def _put_time(key: bytes, when: float) -> float:
     internal_kv._internal_kv_put(key, str(when).encode(), overwrite=True)
+    return when
 
 
 def latest_checkpoint_request(run_uri: str) -> float:
@@ -42,17 +43,13 @@ def latest_restart_request(run_uri: str) -> float:
 def request_checkpoint() -> float:
     """Ask every training run on this cluster for an early checkpoint, taken at its next pre-emption poll;
     returns the request's time."""
-    now = time.time()
-    _put_time(CHECKPOINT_REQUEST_KEY, now)
-    return now
+    return _put_time(CHECKPOINT_REQUEST_KEY, time.time())
 
 
 def request_restart_checkpoint(run_uri: str) -> float:
     """Ask the run at ``run_uri`` for a checkpoint, taken at its next pre-emption poll, that it is about to be
     restarted from; returns the request's time."""
-    now = time.time()
-    _put_time(_run_key("restart-request", run_uri), now)
-    return now
+    return _put_time(_run_key("restart-request", run_uri), time.time())
 
 
 def record_checkpoint(run_uri: str, when: float) -> None:

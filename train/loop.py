@@ -162,9 +162,9 @@ class Trainer:
     """One attempt of a run on this worker: it restores the newest complete checkpoint (converted if the
     world size changed), then trains optimizer steps ``[restored step, max_steps)`` and exports.
 
-    After each step, ``StepPolicy`` decides evaluation and checkpoint from inputs that are the same on every
-    rank (step counts, Ray's pre-emption notice, rank 0's broadcast view), so every rank enters the same
-    collectives.
+    After each step, ``StepPolicy`` decides evaluation, checkpoint and a wait for a restart from inputs that are
+    the same on every rank (step counts, Ray's pre-emption notice, rank 0's broadcast view), so every rank
+    enters the same collectives.
     """
 
     def __init__(self, args: dict[str, Any], report: Callable[[dict], None], preemption_info: Callable[[], Any]):
