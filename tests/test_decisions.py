@@ -90,10 +90,11 @@ def test_a_restart_request_is_waited_for_once_after_its_checkpoint_and_never_at_
     answered = Rank0View(300.0, 205.0, 1, 1, checkpoint_requested=150.0, answered_until=205.0, restart_requested=150.0)
     decision = steps.decide(4, None, answered)
     assert decision.checkpoint == "" and not decision.restart_wait_s
-    # A periodic checkpoint made after the request answers it: the run waits for the restart without another.
+    # A periodic checkpoint made after the request answered it, steps ago: the run checkpoints this step all the same,
+    # and waits there, so that the restart redoes none of the steps since.
     periodic = Rank0View(310.0, 305.0, 1, 1, checkpoint_requested=302.0, answered_until=305.0, restart_requested=302.0)
     decision = steps.decide(6, None, periodic)
-    assert decision.checkpoint == "" and decision.restart_wait_s == RESTART_WAIT_S
+    assert decision.checkpoint == "requested" and decision.restart_wait_s == RESTART_WAIT_S
     last = Rank0View(400.0, 305.0, 1, 1, checkpoint_requested=390.0, answered_until=305.0, restart_requested=390.0)
     decision = steps.decide(100, None, last)  # the run ends after its export, restarted or not
     assert decision.checkpoint == "requested" and not decision.restart_wait_s

@@ -178,9 +178,8 @@ def test_shrink_grow_and_preemption_keep_the_numbers_exact(
     # A just-in-time checkpoint at the notice, a last one shortly before the deadline, at which the run waits
     # for Ray Train's restart: the steps trained while the node drained are not lost, and none is redone.
     assert len(jit) == 1 and len(last) == 1 and last[0] > jit[0]
-    # Growing back waits for a checkpoint newer than the decision (asked for, or a periodic one that fell
-    # due first), at which the run waits for the restart: no step is redone, where Ray alone restarts from
-    # the last periodic checkpoint (up to checkpoint.every_steps - 1 redone).
+    # Growing back waits for the checkpoint it asked for, at which the run waits for the restart: no step is
+    # redone, where Ray alone restarts from the last periodic checkpoint (up to checkpoint.every_steps - 1 redone).
     assert elastic["resizes"][1]["steps_redone"] == 0, elastic["resizes"][1]
     # The returned node copied the data while the run trained on, before that checkpoint: no worker waited for it.
     grow_checkpoint = next(c for c in elastic["checkpoints"] if c["step"] == elastic["resizes"][1]["at_step"])

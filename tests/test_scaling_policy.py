@@ -19,7 +19,7 @@ from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.drain import drain_node
-from train.early_checkpoint import latest_checkpoint_request, record_checkpoint
+from train.early_checkpoint import latest_restart_request, record_waiting_for_restart
 from train.scaling_policy import FreshViewElasticPolicy
 
 pytestmark = pytest.mark.cluster
@@ -122,11 +122,11 @@ def test_a_grow_waits_until_every_node_has_the_data_then_for_a_checkpoint(ray_cl
             return all(_data_copies(tmpdir) == ["train.u16", "val.u16"] for tmpdir in tmpdirs)
 
         wait_for_condition(copied_before_any_grow, timeout=60)
-        # then a checkpoint is asked (of this run: every run's requests, from spot notices, may predate the test)
-        wait_for_condition(lambda: latest_checkpoint_request(run) > began, timeout=10)
+        # then a checkpoint to restart from is asked of the run; the grow waits until the run waits at it
+        wait_for_condition(lambda: latest_restart_request(run) > began, timeout=10)
         assert not isinstance(policy.make_decision_for_running_worker_group(one_worker, None), ResizeDecision)
 
-        record_checkpoint(run, time.time())  # rank 0, once the run's checkpoint is complete
+        record_waiting_for_restart(run, latest_restart_request(run))  # rank 0, at the checkpoint that answers it
         decision = policy.make_decision_for_running_worker_group(one_worker, None)
         assert isinstance(decision, ResizeDecision) and decision.num_workers == 2
     finally:
@@ -149,7 +149,7 @@ def test_a_grow_is_called_off_when_a_node_cannot_copy_the_data(ray_cluster, tmp_
             return "could not copy the data: not growing" in caplog.text
 
         wait_for_condition(called_off, timeout=60)
-        assert latest_checkpoint_request(run) < began  # nor was a checkpoint asked of the run for it
+        assert latest_restart_request(run) < began  # nor was a checkpoint asked of the run for it
     finally:
         policy.before_controller_abort()
         for node in nodes:

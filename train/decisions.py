@@ -71,7 +71,8 @@ class StepPolicy:
     A notice gets a just-in-time checkpoint at once and, if it has a deadline, a last one shortly before
     it (two checkpoint durations plus three steps plus a second), so the steps trained meanwhile are kept.
     Ray Train restarts the run at the deadline, and a grow restarts it from the checkpoint the scaling policy
-    asked for: after either checkpoint the run waits for the restart, up to ``RESTART_WAIT_S`` past it.
+    asked for, taken at the step that reads the request: after either checkpoint the run waits for the
+    restart, up to ``RESTART_WAIT_S`` past it.
     """
 
     def __init__(self, cfg: TrainConfig):
@@ -101,7 +102,9 @@ class StepPolicy:
             if reason == "deadline":
                 restart_wait = deadline - view.now + RESTART_WAIT_S
             if view.restart_requested > self.restart_awaited:
+                # A checkpoint of this step, even where an earlier one answered the request: the run waits here.
                 self.restart_awaited = view.restart_requested
+                reason = reason or "requested"
                 restart_wait = max(restart_wait, RESTART_WAIT_S)
         return Decision(evaluate, reason, restart_wait)
 

@@ -1,11 +1,10 @@
-"""Early checkpoints asked of training runs, and the time of each run's latest one, through Ray's KV store.
+"""Early checkpoints asked of training runs, through Ray's KV store.
 
-The spot drainer asks every run on the cluster (a rebalance recommendation); the scaling policy asks one
-run for a checkpoint to restart it from at a larger size (train/scaling_policy.py). Rank 0 reads both
-requests at its pre-emption polls and the run checkpoints once, unless a checkpoint already followed the
-request; after every checkpoint rank 0 records its time, which tells the scaling policy its request was
-answered. Asked for a restart, the run then waits for it rather than train steps the restart would redo.
-Kept free of torch: the drainer imports it.
+The spot drainer asks every run on the cluster (a rebalance recommendation); the run checkpoints once, at
+its next pre-emption poll, unless a checkpoint already followed the request. The scaling policy asks one
+run for a checkpoint to restart it from at a larger size (train/scaling_policy.py): the run checkpoints at
+its next poll, then waits for the restart rather than train steps it would redo, and rank 0 says so, which
+tells the policy to restart it. Rank 0 reads both requests. Kept free of torch: the drainer imports it.
 """
 
 import hashlib
@@ -52,11 +51,11 @@ def request_restart_checkpoint(run_uri: str) -> float:
     return _put_time(_run_key("restart-request", run_uri), time.time())
 
 
-def record_checkpoint(run_uri: str, when: float) -> None:
-    """Rank 0, after each complete checkpoint of the run."""
-    _put_time(_run_key("checkpoint-saved", run_uri), when)
+def record_waiting_for_restart(run_uri: str, request: float) -> None:
+    """Rank 0, once the checkpoint that answers the restart request made at ``request`` counts and the run waits."""
+    _put_time(_run_key("waiting-for-restart", run_uri), request)
 
 
-def latest_checkpoint_time(run_uri: str) -> float:
-    """When the run's latest checkpoint completed, as recorded in this Ray cluster (0: none yet)."""
-    return _time_at(_run_key("checkpoint-saved", run_uri))
+def restart_request_answered(run_uri: str) -> float:
+    """The time of the latest restart request the run answered with a checkpoint it now waits at (0: none)."""
+    return _time_at(_run_key("waiting-for-restart", run_uri))

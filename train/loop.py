@@ -26,7 +26,7 @@ from train.config import TrainConfig, config_from_dict
 from train.data import load_split
 from train.decisions import Notice, Rank0View, StepPolicy, share_rank0_view
 from train.ds_config import build_engine, compiles
-from train.early_checkpoint import latest_checkpoint_request, latest_restart_request, record_checkpoint
+from train.early_checkpoint import latest_checkpoint_request, latest_restart_request, record_waiting_for_restart
 from train.export import export_model
 from train.hf_gpt2 import load_weights
 from train.loader import SampleOrder, micro_batch_samples
@@ -360,7 +360,8 @@ class Trainer:
             metrics.update({f"resize_{key}": value for key, value in resize.items()})
         if self.pending:  # the same steps on every rank, as the checkpoint was started at the same step
             metrics.update(self._settle_checkpoint(wait=False))
-        decision = self.policy.decide(step, *self._notice_and_view(seconds))
+        notice, view = self._notice_and_view(seconds)
+        decision = self.policy.decide(step, notice, view)
         if decision.evaluate:
             metrics.update(self._evaluate())
         if decision.checkpoint:
@@ -370,13 +371,16 @@ class Trainer:
         if metrics:
             self._report(metrics)
         if decision.restart_wait_s and self.failed_checkpoints == 0:
-            self._await_restart(decision.restart_wait_s)
+            self._await_restart(decision.restart_wait_s, view.restart_requested)
 
-    def _await_restart(self, seconds: float) -> None:
+    def _await_restart(self, seconds: float, restart_request: float) -> None:
         """Idle until Ray Train restarts the run from the checkpoint just counted, tearing this worker down: steps
         trained meanwhile would be redone, and one under way when Ray destroys the process group fails with a
-        traceback that reads like a crash. Without a restart within ``seconds``, training goes on."""
+        traceback that reads like a crash. Rank 0 tells the scaling policy, if it asked (at ``restart_request``).
+        Without a restart within ``seconds``, training goes on."""
         if self.rank == 0:
+            if restart_request:
+                record_waiting_for_restart(self.run_uri, restart_request)
             print(f"step {self.step} | checkpointed for a restart: waiting for it", flush=True)
         time.sleep(seconds)
         if self.rank == 0:
@@ -484,8 +488,6 @@ class Trainer:
         self.failed_checkpoints = 0
         self.newest_checkpoint_step = pending.step
         self.save_seconds = time.time() - pending.started
-        if self.rank == 0:
-            record_checkpoint(self.run_uri, pending.started)
         if self.sample_log:
             self.sample_log.flush()
         if self.timeline:

@@ -20,8 +20,8 @@ could be a whole checkpoint interval old, and the workers on a new node would fi
 data to it (train/data.py), every other worker waiting. So before a grow the policy has each node that
 could hold a worker build its copy of the data, while the run trains on (up to ``GROW_DATA_WAIT_S``; a
 copy that fails, a node gone or storage down, calls the grow off until Ray's policy decides it again);
-then it asks the run for a checkpoint (through Ray's KV store, train/early_checkpoint.py), which the run
-then waits at, and restarts it at the larger size once that checkpoint is complete (or after
+then it asks the run for a checkpoint (through Ray's KV store, train/early_checkpoint.py) and restarts it
+at the larger size once the run says that checkpoint is complete and it waits there (or after
 ``GROW_CHECKPOINT_WAIT_S``): a planned grow redoes no steps and waits for no copy.
 
 It is the one change raywright makes to Ray Train, applied in one place (``ElasticTorchTrainer``);
@@ -51,7 +51,7 @@ from ray.train.v2._internal.util import time_monotonic
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from train.data import copy_to_this_node
-from train.early_checkpoint import latest_checkpoint_time, request_restart_checkpoint
+from train.early_checkpoint import request_restart_checkpoint, restart_request_answered
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class FreshViewElasticPolicy(ElasticScalingPolicy):
             logger.info("checkpointing before growing to %d workers", grow.decision.num_workers)
             grow.checkpoint_asked = request_restart_checkpoint(self.run_uri)
             return NoopDecision()
-        if latest_checkpoint_time(self.run_uri) >= grow.checkpoint_asked or now - grow.checkpoint_asked > (
+        if restart_request_answered(self.run_uri) >= grow.checkpoint_asked or now - grow.checkpoint_asked > (
             self.GROW_CHECKPOINT_WAIT_S
         ):
             self._pending_grow = None
