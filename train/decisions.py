@@ -19,7 +19,7 @@ from train.config import TrainConfig
 
 # How long past a restart's due time (a pre-emption deadline, or the grow's checkpoint) a run waits for it before
 # it trains on: longer than the scaling policy's GROW_CHECKPOINT_WAIT_S, after which it grows whether or not the
-# checkpoint was recorded.
+# run said it waits.
 RESTART_WAIT_S = 90.0
 
 
