@@ -5,27 +5,27 @@ GIL: on an H200 the same step took 2.9 ms there against 1.9 ms in-process, and e
 0.66 ms for the event loop against 0.28 (BENCHMARKS.md, P7). So the replica keeps HTTP, tokenizing and
 formatting, and a child process holds the model and runs a ContinuousBatcher, the same loop as in-process.
 
-They talk over a socket pair that only the two of them hold: requests and cancellations one way, one
-message per decode step the other way, with the chunks that step produced. Either end going away ends the
-other: the child exits when the replica does, and a replica whose child died fails its requests in flight
-and its health check, so that Serve replaces it.
+They talk over a socket pair that only the two of them hold (``Channel``): requests and cancellations one
+way, one message per decode step the other way, with the chunks that step produced. Either end going away
+ends the other: the child exits when the replica does, and a replica whose child died fails its requests in
+flight and its health check, so that Serve replaces it.
 """
 
 import asyncio
 import faulthandler
 import itertools
 import logging
-import multiprocessing
 import os
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 
 import torch
 
+from serve.channel import Channel
 from serve.decoder import Decoder
 from serve.engine import (
     GENERATION_FAILED,
@@ -103,27 +103,31 @@ class EngineProcess:
     it returns once the child has built its engine (compiled and captured, on a GPU)."""
 
     def __init__(self, spec: EngineSpec, on_step: Callable[[int, int], None] | None = None):
-        ours, theirs = multiprocessing.Pipe()
+        ours, theirs = socket.socketpair()
         # The child imports what this process can: the same modules, wherever Ray put them.
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         # Not ``-m serve.engine_process``: messages pickled by a ``__main__`` would name classes the replica lacks.
         command = [sys.executable, "-c", "from serve.engine_process import main; main()", str(theirs.fileno())]
         self.process = subprocess.Popen(command, pass_fds=[theirs.fileno()], env=env)
         theirs.close()
-        self.connection = ours
+        self.channel = Channel(ours)
         self.loop_failed: BaseException | None = None  # why the child stopped, if it did (the health check)
         self._on_step = on_step
         self._requests: dict[int, tuple[Sequence, asyncio.Queue[Chunk]]] = {}
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
-        ours.send(spec)
-        while not ours.poll(1.0):
+        self.channel.send_now(spec)
+        started = None
+        while started is None:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the engine process exited with code {self.process.returncode} while starting")
-        started = self._receive_one()
+            try:
+                started = self.channel.receive_now(timeout_s=1.0)
+            except (EOFError, OSError):
+                self.process.wait(timeout=10)  # it is exiting: its code, above, says how
         if not isinstance(started, StepReport):
             self.process.wait()
-            raise RuntimeError(started.reason if isinstance(started, StartFailed) else str(self.loop_failed))
+            raise RuntimeError(started.reason)
         self.last_report = started
 
     @property
@@ -156,43 +160,26 @@ class EngineProcess:
                 self._send(Cancel(request))
 
     def close(self) -> None:
-        self.connection.close()
+        self.channel.close()
         try:
             self.process.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.process.kill()
 
     def _listen(self) -> None:
-        """Read the child's reports on the event loop that asks (a replica has one; a script may run several)."""
+        """Talk to the child on the event loop that asks (a replica has one; a script may run several)."""
         loop = asyncio.get_running_loop()
         if loop is not self._loop and self.loop_failed is None:
-            loop.add_reader(self.connection.fileno(), self._on_readable)
-            # uvloop (a Serve replica's loop, whether user code runs on the actor's loop or a thread of its own)
-            # makes a watched socket non-blocking: a report that had not wholly arrived then failed its recv
-            # with BlockingIOError, read as the child gone. A blocking recv waits the microseconds for the rest.
-            os.set_blocking(self.connection.fileno(), True)
+            self.channel.start(loop, self._on_report, self._stopped)
             self._loop = loop
 
     def _send(self, message: Submit | Cancel) -> None:
         if self.loop_failed is not None:
             self._fail_all()
             return
-        try:
-            self.connection.send(message)
-        except OSError as error:
-            self._stopped(error)
+        self.channel.send(message)
 
-    def _receive_one(self) -> StepReport | StartFailed | None:
-        try:
-            return self.connection.recv()
-        except (EOFError, OSError) as error:
-            self._stopped(error)
-            return None
-
-    def _on_readable(self) -> None:
-        report = self._receive_one()
-        if not isinstance(report, StepReport):
-            return
+    def _on_report(self, report: StepReport) -> None:
         self.last_report = report
         for produced in report.produced:
             entry = self._requests.get(produced.request)
@@ -213,15 +200,13 @@ class EngineProcess:
     def _stopped(self, error: BaseException) -> None:
         """The child is gone: every request in flight fails, and so does the health check from now on."""
         if self.loop_failed is None:
-            # The pipe closes as the child dies, a moment before the kernel reports its exit code.
+            # The socket closes as the child dies, a moment before the kernel reports its exit code.
             try:
                 code = self.process.wait(timeout=1)
             except subprocess.TimeoutExpired:
                 code = None
             self.loop_failed = RuntimeError(f"the engine process stopped (exit code {code}): {error!r}")
             logger.error("%s", self.loop_failed)
-            if self._loop is not None and not self._loop.is_closed():
-                self._loop.remove_reader(self.connection.fileno())
         self._fail_all()
 
     def _fail_all(self) -> None:
@@ -230,7 +215,7 @@ class EngineProcess:
         self._requests.clear()
 
 
-async def _serve_engine(connection: Connection, engine: Engine) -> None:
+async def _serve_engine(channel: Channel, engine: Engine) -> None:
     """The child's loop: submissions become ContinuousBatcher requests; each step's chunks go back at once."""
     loop = asyncio.get_running_loop()
     report: StepReport | None = None
@@ -239,7 +224,7 @@ async def _serve_engine(connection: Connection, engine: Engine) -> None:
 
     def send_report() -> None:
         nonlocal report
-        connection.send(report)
+        channel.send(report)
         report = None
 
     def on_step(batch_size: int, waiting: int) -> None:
@@ -260,19 +245,16 @@ async def _serve_engine(connection: Connection, engine: Engine) -> None:
         finally:
             tasks.pop(submit.request, None)
 
-    def on_readable() -> None:
-        try:
-            message = connection.recv()
-        except (EOFError, OSError):  # the replica is gone
-            closed.set_result(None)
-            loop.remove_reader(connection.fileno())
-            return
+    def on_message(message: Submit | Cancel) -> None:
         if isinstance(message, Submit):
             tasks[message.request] = loop.create_task(forward(message))
         elif message.request in tasks:
             tasks.pop(message.request).cancel()
 
-    loop.add_reader(connection.fileno(), on_readable)
+    def on_closed(error: BaseException) -> None:  # the replica is gone
+        closed.set_result(None)
+
+    channel.start(loop, on_message, on_closed)
     while not closed.done():
         await asyncio.wait([closed], timeout=1.0)
         if batcher.loop_failed is not None:  # built not to happen; the replica's health check sees the exit
@@ -284,15 +266,15 @@ def main() -> None:
     # stderr, the replica's log, beside the replica's "the engine process stopped (exit code -N)".
     faulthandler.enable()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    connection = Connection(int(sys.argv[1]))
-    spec: EngineSpec = connection.recv()
+    channel = Channel(socket.socket(fileno=int(sys.argv[1])))
+    spec: EngineSpec = channel.receive_now(timeout_s=None)
     start = time.perf_counter()
     try:
         engine = spec.build()
     except Exception as error:
         logger.exception("the engine could not be built")
-        connection.send(StartFailed(f"the engine could not be built: {error}"))
+        channel.send_now(StartFailed(f"the engine could not be built: {error}"))
         sys.exit(1)
     logger.info("engine built in %.1f s", time.perf_counter() - start)
-    connection.send(StepReport(0, 0, 0, engine.times))
-    asyncio.run(_serve_engine(connection, engine))
+    channel.send_now(StepReport(0, 0, 0, engine.times))
+    asyncio.run(_serve_engine(channel, engine))

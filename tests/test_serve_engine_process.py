@@ -4,6 +4,7 @@ import asyncio
 import os
 import shutil
 import signal
+import time
 from dataclasses import replace
 
 import pytest
@@ -84,6 +85,39 @@ def test_a_report_that_arrives_in_pieces_is_read_whole_on_uvloop(memorized_expor
     assert engine.loop_failed is None
     assert [chunks[-1].finish_reason for chunks in answers] == ["length"] * 8
     assert all(len(chunks[-1].logprobs) == 80 for chunks in answers)
+
+
+def _time_out(signum, frame):
+    pytest.fail("the replica and its engine process wait for each other")
+
+
+def test_a_replica_whose_loop_fell_behind_and_then_submits_a_burst_does_not_hang(memorized_export):
+    """A replica's loop busy with other work (300 requests arriving) reads no reports meanwhile, so the child's
+    reports fill the socket and the child waits to send; a burst of submissions then filled the socket the
+    other way. Each end waited for the other to read: the replica's health checks, its requests and the decode
+    loop all stopped (the redeploy test of test_serve.py, 2026-11-28)."""
+    engine = EngineProcess(spec(memorized_export, 8))
+    reporting = GenerationParams(max_tokens=90, temperature=0.0, logprobs=20)  # ~24 kB of reports a request
+    short = GenerationParams(max_tokens=1, temperature=0.0)
+
+    async def run() -> list[list[Chunk]]:
+        busy = [asyncio.create_task(generated(engine, "def ", reporting)) for _ in range(64)]
+        while engine.in_flight == 0:
+            await asyncio.sleep(0.01)
+        time.sleep(3)  # the loop is elsewhere: ~1.5 MB of reports pile up, far more than the socket holds
+        burst = [asyncio.create_task(generated(engine, PROMPTS[0] * 4, short)) for _ in range(1000)]  # ~0.5 MB
+        return await asyncio.gather(*busy, *burst)
+
+    previous = signal.signal(signal.SIGALRM, _time_out)
+    signal.alarm(60)
+    try:
+        answers = uvloop.run(run())
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        engine.close()
+    assert engine.loop_failed is None
+    assert [chunks[-1].finish_reason for chunks in answers] == ["length"] * 1064
 
 
 def test_a_crashed_engine_process_fails_its_requests_and_the_health_check(memorized_export, capfd):
