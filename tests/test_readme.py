@@ -49,7 +49,7 @@ HOW = {
     "curl -s localhost:8000/v1/completions -H 'content-type: application/json' "
     '-d \'{"prompt": "def main(", "max_tokens": 64, "temperature": 0}\'': RUN,
     "python -m tune --config tiny": STEPS,  # its trials ask for `spot`: on a local Ray, one warning
-    "python -m tune --resume runs/sweeps/tiny": RUN,  # a finished sweep: its results (test_tune.py kills one)
+    "python -m tune --resume runs/sweeps/tiny": RUN,  # a finished sweep: its summary, no Ray (test_tune.py kills one)
     "python -m train --config runs/sweeps/tiny/best-tiny.yaml": STEPS,
     'mkdir -p ~/.ray && python -c "import secrets; print(secrets.token_hex(32))" > ~/.ray/auth_token '
     "&& chmod 600 ~/.ray/auth_token": "writes the user's Ray token",
@@ -131,6 +131,8 @@ def test_readme_commands_run_as_written(tmp_path):
                 warnings = [line for line in done.stderr.splitlines() if line.startswith("warning: trial_resources")]
                 assert len(warnings) == 1 and "'spot'" in warnings[0], warnings
                 assert f"best recipe: {tmp_path}/runs/sweeps/tiny/best-tiny.yaml" in done.stdout
+            if command == "python -m tune --resume runs/sweeps/tiny":  # finished: its summary, without a Ray
+                assert "best recipe:" in done.stdout and "Started a local Ray" not in done.stderr, done.stderr
     finally:
         if server is not None:
             # SIGTERM (kill, docker stop), not Ctrl-C's SIGINT, which a shell starting pytest in the background

@@ -23,7 +23,7 @@ from train.launch import run_training
 from train.schema import ConfigError
 from tune.__main__ import main as tune_main
 from tune.config import SWEEP_DIR, load_sweep_config, sweep_config_from_dict
-from tune.sweep import SweepResult, resume_sweep, run_sweep
+from tune.sweep import TRIALS_FILE, SweepResult, _nothing_to_resume, resume_sweep, run_sweep
 from tune.trial import ENDED, ended_evaluation
 
 REPO = Path(__file__).resolve().parent.parent
@@ -88,6 +88,15 @@ def test_cli_rejects_a_bad_sweep_file_before_starting_ray(tmp_path, capsys):
     assert tune_main(["--config", "tiny", "--set", "num_trials=0"]) == 2
     assert "num_trials" in capsys.readouterr().err
     assert tune_main(["--resume", str(tmp_path)]) == 2
+
+
+@pytest.mark.unit
+def test_only_a_sweep_that_finished_with_no_failed_trial_has_nothing_to_resume(tmp_path):
+    assert not _nothing_to_resume(str(tmp_path))  # interrupted: no summary yet
+    (tmp_path / TRIALS_FILE).write_text("trial_id,val_loss,error\na1,3.5,False\nb2,nan,True\n")
+    assert not _nothing_to_resume(str(tmp_path))  # --resume runs the failed trial again
+    (tmp_path / TRIALS_FILE).write_text("trial_id,val_loss,error\na1,3.5,False\nb2,3.1,False\n")
+    assert _nothing_to_resume(str(tmp_path))
 
 
 def test_notebook_sweep_stops_trials_early_runs_them_concurrently_and_its_best_recipe_trains(
@@ -183,6 +192,12 @@ def test_sweep_resumes_after_its_driver_is_killed_within_its_step_budget(ray_ses
     # Two trials run at once: the one that was not the first to cross the budget may add an evaluation.
     assert 120 <= trials["steps"].sum() <= 120 + 2 * 10, trials
     assert Path(result.best_recipe).exists()
+    # Resumed again, the finished sweep gives the same summary from its files, and trains nothing.
+    exported = {p: p.stat().st_mtime_ns for p in sweep.glob("trials/*/export/model.safetensors")}
+    again = resume_sweep(str(sweep))
+    pd.testing.assert_frame_equal(again.trials, trials)
+    assert again.best == result.best
+    assert {p: p.stat().st_mtime_ns for p in sweep.glob("trials/*/export/model.safetensors")} == exported
     assert_ended_trials_left_no_checkpoints(sweep)  # the trials the budget cut are over too
     exports = {p.parts[-3] for p in sweep.glob("trials/*/export/model.safetensors")}
     assert exports == set(trials[trials["steps"] == 40]["trial_id"])  # what else a trial wrote stays

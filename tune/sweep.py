@@ -9,6 +9,7 @@ up, Optuna's state, ASHA's rungs and finished trials included), each trial's tra
 ``trials.csv``, the plots, and a copy of the best recipe.
 """
 
+import io
 import logging
 import os
 import time
@@ -19,7 +20,7 @@ import pandas as pd
 import ray
 import yaml
 from ray import tune
-from ray.tune import Callback
+from ray.tune import Callback, ExperimentAnalysis, ResultGrid
 from ray.tune.experiment import Trial
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search import ConcurrencyLimiter
@@ -28,6 +29,7 @@ from ray.tune.stopper import Stopper
 from ray.util.state import list_actors
 
 from train import checkpoint, storage
+from train.data import dataset_path
 from train.launch import ensure_dataset, init_ray, resources_offered
 from train.preflight import check_before_ray
 from train.schema import ConfigError, replace
@@ -41,6 +43,7 @@ from tune.trial import record_ended, run_trial, sweep_dir, trial_config, trials_
 logger = logging.getLogger(__name__)
 
 SWEEP_FILE = "sweep.yaml"
+TRIALS_FILE = "trials.csv"  # written once a sweep has finished (``summarize``)
 TRIAL_PROCESSES = {"ImplicitFunc", "RayTrainWorker"}  # Tune's function trials and their Ray Train workers
 
 
@@ -218,6 +221,8 @@ def run_sweep_config(sweep: SweepConfig) -> SweepResult:
     trainable, data_path = _trainable(sweep)
     path = sweep_dir(sweep)
     storage.write_bytes(storage.join(path, SWEEP_FILE), yaml.safe_dump(sweep.to_dict()).encode())
+    if storage.exists(storage.join(path, TRIALS_FILE)):  # an earlier sweep's of this name: this one has not finished
+        storage.delete_file(storage.join(path, TRIALS_FILE))
     searcher, scheduler = _tuner_parts(sweep)
     tuner = tune.Tuner(
         trainable,
@@ -252,9 +257,19 @@ def resume_sweep(path: str) -> SweepResult:
     except OSError:
         raise ConfigError(f"--resume: {path} holds no {SWEEP_FILE}; is it a sweep directory?") from None
     sweep = sweep_config_from_dict(values)
+    if _nothing_to_resume(path):  # its summary again, from its files: no Ray to start
+        cfg = sweep.base_config([f"run.storage_path={storage.absolute(sweep.storage_root())}"])
+        results = ResultGrid(ExperimentAnalysis(storage.absolute(path)))
+        return summarize(sweep, results, storage.absolute(dataset_path(cfg)))
     trainable, data_path = _trainable(sweep)
     tuner = tune.Tuner.restore(storage.absolute(path), trainable=trainable, resume_unfinished=True, resume_errored=True)
     return summarize(sweep, tuner.fit(), data_path)
+
+
+def _nothing_to_resume(path: str) -> bool:
+    """Whether the sweep at ``path`` finished with no trial failed (``--resume`` runs failed trials again)."""
+    summary = storage.read_if_exists(storage.join(path, TRIALS_FILE))
+    return summary is not None and not pd.read_csv(io.BytesIO(summary))["error"].any()
 
 
 def summarize(sweep: SweepConfig, results, data_path: str) -> SweepResult:
@@ -287,7 +302,7 @@ def summarize(sweep: SweepConfig, results, data_path: str) -> SweepResult:
     finished = trials[~trials["stopped_early"] & ~trials["error"] & trials["val_loss"].notna()]
     best = (finished if len(finished) else trials).sort_values("val_loss").iloc[0].to_dict()
     path = sweep_dir(sweep)
-    storage.write_bytes(storage.join(path, "trials.csv"), trials.to_csv(index=False).encode())
+    storage.write_bytes(storage.join(path, TRIALS_FILE), trials.to_csv(index=False).encode())
     recipe = write_best_recipe(sweep, best, data_path)
     plots = save_plots(sweep, trials, curves, path)
     return SweepResult(path, trials, best, recipe, plots, curves)
