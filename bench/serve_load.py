@@ -127,10 +127,11 @@ def engine_throughput(
     """Requests/s of the continuous-batching engine alone, ``in_flight`` requests at all times, each asking
     for its whole text at once (as the benchmarks' HTTP requests do), after ``warmup_s`` of the same load
     untimed, as the HTTP loads get: on a GPU that is where the decode step's CUDA graphs are captured.
-    Also where its decode loop's time went meanwhile (``loop_summary``)."""
+    Its steps run on the event loop, as in a replica's engine process. Also where its decode loop's time went
+    meanwhile (``loop_summary``)."""
     exported = load_exported(export)
     engine = Engine(Decoder(exported.model, in_flight, precision, device), exported.tokenizer)
-    batcher = ContinuousBatcher(engine)
+    batcher = ContinuousBatcher(engine, step_in_thread=False)
     params = GenerationParams(max_tokens=max_tokens, temperature=0.0)
 
     async def client(index: int, deadline: float) -> int:

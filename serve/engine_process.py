@@ -3,7 +3,8 @@
 In a replica, HTTP and Serve's own work ran on an event loop that took turns with the decode step for one
 GIL: on an H200 the same step took 2.9 ms there against 1.9 ms in-process, and each turn of the loop waited
 0.66 ms for the event loop against 0.28 (BENCHMARKS.md, P7). So the replica keeps HTTP, tokenizing and
-formatting, and a child process holds the model and runs a ContinuousBatcher, the same loop as in-process.
+formatting, and a child process holds the model and runs a ContinuousBatcher, whose steps run on the child's
+event loop: it has nothing else to do meanwhile.
 
 They talk over a socket pair that only the two of them hold (``Channel``): requests and cancellations one
 way, one message per decode step the other way, with the chunks that step produced. Either end going away
@@ -233,7 +234,7 @@ async def _serve_engine(channel: Channel, engine: Engine) -> None:
         report = StepReport(batch_size, waiting, len(engine.live), engine.times)
         loop.call_soon(send_report)
 
-    batcher = ContinuousBatcher(engine, on_step=on_step)
+    batcher = ContinuousBatcher(engine, on_step=on_step, step_in_thread=False)
 
     async def forward(submit: Submit) -> None:
         seq = Sequence(submit.prompt, submit.params)

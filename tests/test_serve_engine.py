@@ -321,6 +321,34 @@ def test_continuous_batching_gives_each_request_its_text_alone(memorized_export,
     assert max(batch_sizes) == 4
 
 
+@pytest.mark.parametrize("step_in_thread", [True, False], ids=["step in a thread", "step on the loop"])
+def test_a_request_that_arrives_while_another_decodes_joins_its_batch(memorized_export, step_in_thread):
+    """Whether a step runs in a thread (a replica) or on the event loop (the engine process), requests get in
+    between steps: one that arrives while another decodes joins the batch and ends first."""
+    batch_sizes = []
+    engine = make_engine(memorized_export, "int8", max_batch=2)
+    batcher = ContinuousBatcher(engine, lambda size, queued: batch_sizes.append(size), step_in_thread)
+    ended = []
+
+    async def long(decoding: asyncio.Event) -> None:
+        async for _ in batcher.generate(Sequence(encode("K"), GenerationParams(max_tokens=80, temperature=0.0))):
+            decoding.set()
+        ended.append("long")
+
+    async def short(decoding: asyncio.Event) -> None:
+        await decoding.wait()
+        await generated(batcher, "Grüße", GenerationParams(max_tokens=5, temperature=0.0))
+        ended.append("short")
+
+    async def both() -> None:
+        decoding = asyncio.Event()
+        async with asyncio.timeout(60):
+            await asyncio.gather(long(decoding), short(decoding))
+
+    asyncio.run(both())
+    assert ended == ["short", "long"] and max(batch_sizes) == 2
+
+
 def test_the_decode_loop_accounts_for_its_steps_prefills_and_turnaround(memorized_export):
     """Six requests for five tokens each, four slots: the first four are prefilled together and take five
     steps, the last two are prefilled together when those leave and take five more."""
