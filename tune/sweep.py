@@ -220,9 +220,9 @@ def run_sweep(base_config: str, search_space: dict[str, dict], **options: Any) -
 def run_sweep_config(sweep: SweepConfig) -> SweepResult:
     trainable, data_path = _trainable(sweep)
     path = sweep_dir(sweep)
-    storage.write_bytes(storage.join(path, SWEEP_FILE), yaml.safe_dump(sweep.to_dict()).encode())
-    if storage.exists(storage.join(path, TRIALS_FILE)):  # an earlier sweep's of this name: this one has not finished
+    if storage.exists(storage.join(path, TRIALS_FILE)):  # left by an earlier sweep of this name: this one runs now
         storage.delete_file(storage.join(path, TRIALS_FILE))
+    storage.write_bytes(storage.join(path, SWEEP_FILE), yaml.safe_dump(sweep.to_dict()).encode())
     searcher, scheduler = _tuner_parts(sweep)
     tuner = tune.Tuner(
         trainable,
