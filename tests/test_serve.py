@@ -446,8 +446,9 @@ def test_dropped_streams_free_their_slots_and_a_new_request_completes(server):
     assert time.monotonic() - started < 10
     wait_for_condition(lambda: ready(server)["in_flight"] == 0, timeout=10)
     load = ready(server)
-    # Had the dropped streams run to the end, they would have generated 64 x 94 tokens.
-    assert load["generated_tokens"] - before < 64 * 94 / 3 and load["waiting"] == 0
+    # Had the dropped streams run to the end, they would have generated 64 x 94 tokens. What they generate before
+    # their cancellations arrive (through Serve, ~0.1 s) grows with the decode speed: up to 35% of that here.
+    assert load["generated_tokens"] - before < 64 * 94 / 2 and load["waiting"] == 0
     loop = load["decode_loop"]
     assert loop["prompts_prefilled"] >= 65 and 0 < loop["prefill_s"] < loop["step_s"] < loop["loop_s"]
 
