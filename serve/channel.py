@@ -31,6 +31,11 @@ class Channel:
         self._on_closed: Callable[[BaseException], None] | None = None
         self._gone: BaseException | None = None  # why the other end is gone, once it is
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop it sends and receives on since ``start`` (None before, and once closed or gone)."""
+        return self._loop
+
     def send_now(self, message: Any) -> None:
         """Before ``start``: send one message, blocking until it is sent (the start-up exchange)."""
         self.sock.sendall(self._framed(message))

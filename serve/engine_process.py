@@ -116,7 +116,6 @@ class EngineProcess:
         self._on_step = on_step
         self._requests: dict[int, tuple[Sequence, asyncio.Queue[Chunk]]] = {}
         self._ids = itertools.count()
-        self._loop: asyncio.AbstractEventLoop | None = None
         self.channel.send_now(spec)
         started = None
         while started is None:
@@ -170,9 +169,8 @@ class EngineProcess:
     def _listen(self) -> None:
         """Talk to the child on the event loop that asks (a replica has one; a script may run several)."""
         loop = asyncio.get_running_loop()
-        if loop is not self._loop and self.loop_failed is None:
+        if loop is not self.channel.loop and self.loop_failed is None:
             self.channel.start(loop, self._on_report, self._stopped)
-            self._loop = loop
 
     def _send(self, message: Submit | Cancel) -> None:
         if self.loop_failed is not None:
