@@ -69,6 +69,7 @@ def build_engine(
     ``parameter_groups``'s exemption."""
     model.to(get_accelerator().current_device_name())  # where DeepSpeed puts it; the optimizer is built there
     _strip_cuda_arch_suffixes()
+    _skip_inference_all_reduce_op()
     # DeepSpeed's ZeRO calls collectives that torch has deprecated, and the warning is not shown once per process:
     # something resets Python's record of shown warnings every step, so a 40-step ZeRO-3 run on 2 workers logged it
     # 1,400 times. Nothing a user can act on.
@@ -166,6 +167,19 @@ def _import_deepspeed_muon_uncompiled() -> None:
             del os.environ["TORCHDYNAMO_DISABLE"]
         else:
             os.environ["TORCHDYNAMO_DISABLE"] = previous
+
+
+# DeepSpeed's shared-memory all-reduce for CPUs (deepspeed/ops/op_builder/cpu/comm.py).
+SHM_COMM_OP = "deepspeed_shm_comm"
+
+
+def _skip_inference_all_reduce_op() -> None:
+    """DeepSpeed's communication backend builds its shared-memory all-reduce on a CPU when it starts: a JIT-built
+    op, ~30 s of compiling on a machine's first run (and every run's where the build cache is not kept), which
+    only its tensor-parallel inference calls (``inference_all_reduce``); training reduces through
+    torch.distributed. Marked incompatible, as where it cannot build, it is not built. The mark must precede the
+    backend (made once per process, by the first engine); DeepSpeed keeps that dict for such edits."""
+    deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
 
 
 _ARCH_SUFFIX = re.compile(r"^(\d+\.\d+)[a-z]+(\+PTX)?$")
