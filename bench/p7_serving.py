@@ -229,9 +229,15 @@ def http_over_engine(
     """Requests/s through HTTP with each ingress in front ÷ the engine alone; the first is the headline."""
     texts = prompts(256)
     engine, engine_loop = engine_throughput(export, texts, 64, seconds, max_tokens, precision, device)
-    http = {ingress: http_load(export, precision, device, seconds, max_tokens, texts, ingress) for ingress in ingresses}
-    for point in http.values():
+    print(f"the engine alone, 64 in flight: {engine:.1f} requests/s", flush=True)
+    http = {}
+    for ingress in ingresses:  # each figure printed once measured: a GPU lease may end before the next
+        http[ingress] = point = http_load(export, precision, device, seconds, max_tokens, texts, ingress)
         point["over_engine"] = point["requests_per_s"] / engine
+        print(
+            f"through {ingress}: {point['requests_per_s']:.1f} requests/s, {point['over_engine']:.2f} of the engine",
+            flush=True,
+        )
     return {
         "engine_requests_per_s_64": engine,
         "engine_decode_loop": engine_loop,
