@@ -178,8 +178,10 @@ def _skip_inference_all_reduce_op() -> None:
     op, ~30 s of compiling on a machine's first run (and every run's where the build cache is not kept), which
     only its tensor-parallel inference calls (``inference_all_reduce``); training reduces through
     torch.distributed. Marked incompatible, as where it cannot build, it is not built. The mark must precede the
-    backend (made once per process, by the first engine); DeepSpeed keeps that dict for such edits."""
-    deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
+    backend (made once per process, by the first engine); DeepSpeed keeps that dict for such edits. Only where the
+    accelerator has the op (CPUs): reading the dict probes every op DeepSpeed has, which GPU workers never did."""
+    if get_accelerator().get_op_builder("ShareMemCommBuilder") is not None:
+        deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
 
 
 _ARCH_SUFFIX = re.compile(r"^(\d+\.\d+)[a-z]+(\+PTX)?$")
