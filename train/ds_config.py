@@ -169,10 +169,6 @@ def _import_deepspeed_muon_uncompiled() -> None:
             os.environ["TORCHDYNAMO_DISABLE"] = previous
 
 
-# DeepSpeed's shared-memory all-reduce for CPUs (deepspeed/ops/op_builder/cpu/comm.py).
-SHM_COMM_OP = "deepspeed_shm_comm"
-
-
 def _skip_inference_all_reduce_op() -> None:
     """DeepSpeed's communication backend builds its shared-memory all-reduce on a CPU when it starts: a JIT-built
     op, ~30 s of compiling on a machine's first run (and every run's where the build cache is not kept), which
@@ -180,8 +176,9 @@ def _skip_inference_all_reduce_op() -> None:
     torch.distributed. Marked incompatible, as where it cannot build, it is not built. The mark must precede the
     backend (made once per process, by the first engine); DeepSpeed keeps that dict for such edits. Only where the
     accelerator has the op (CPUs): reading the dict probes every op DeepSpeed has, which GPU workers never did."""
-    if get_accelerator().get_op_builder("ShareMemCommBuilder") is not None:
-        deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
+    builder = get_accelerator().get_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
 
 
 _ARCH_SUFFIX = re.compile(r"^(\d+\.\d+)[a-z]+(\+PTX)?$")
