@@ -1,4 +1,6 @@
+import io
 import json
+import logging
 import os
 import random
 import shutil
@@ -6,6 +8,8 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -13,8 +17,18 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 from ray._common.test_utils import wait_for_condition
+from ray.data._internal.logging import get_log_directory
 
-from train.data import COPY_SOURCE, _files_below, list_source, load_manifest, load_split, prepare
+from train.data import (
+    COPY_SOURCE,
+    LAGGING_NO_CPU_WARNING,
+    _files_below,
+    _ray_data_logs_to_file_only,
+    list_source,
+    load_manifest,
+    load_split,
+    prepare,
+)
 from train.loader import SampleOrder, micro_batch_samples
 from train.schema import ConfigError
 from train.tokenizer import ByteTokenizer, load_tokenizer
@@ -107,6 +121,43 @@ def test_same_documents_as_text_jsonl_and_parquet_give_the_same_source_hash(ray_
     prepare(str(text_dir), str(tmp_path / "out-text"), seq_len=32, val_fraction=0.2)
     for split, rows in first.items():
         assert np.array_equal(rows, load_split(str(tmp_path / "out-text"), split))
+
+
+@pytest.fixture
+def ray_data_console(ray_session) -> Iterator[io.StringIO]:
+    """What Ray Data's console handler prints in this process (it holds the stderr of when ray.data was imported,
+    which under pytest is no captured stream)."""
+    import ray.data  # noqa: F401  (configures the "ray.data" logger)
+
+    (console,) = [h for h in logging.getLogger("ray.data").handlers if type(h).__name__ == "PlainRayHandler"]
+    printed = io.StringIO()
+    stream = console.setStream(printed)
+    yield printed
+    console.setStream(stream)
+
+
+def test_preparing_a_corpus_leaves_ray_datas_progress_in_its_log_and_the_console_to_raywright(
+    ray_data_console, corpus_dir, tmp_path
+):
+    """The first `python -m train` printed ~60 lines of Ray Data's plans and progress, and a warning that the
+    preparation would hang for want of CPUs (Ray's view of free CPUs lagging the tasks that had just ended)."""
+    ray_data_log = Path(get_log_directory(), "ray-data.log")
+    logged_before = ray_data_log.stat().st_size if ray_data_log.exists() else 0
+    prepare(f"{corpus_dir}/email/**/*.py", str(tmp_path / "out"), seq_len=32, val_fraction=0.2)
+    assert ray_data_console.getvalue() == ""
+    with open(ray_data_log) as log:
+        log.seek(logged_before)
+        logged = log.read()
+    assert "Starting execution of Dataset" in logged and "Data sink Parquet finished" in logged, logged
+    # Ray Data's other warnings still reach the console, and the console is as it was once preparing ends.
+    ray_data = logging.getLogger("ray.data")
+    with _ray_data_logs_to_file_only():
+        ray_data.warning(f"{LAGGING_NO_CPU_WARNING}. The Dataset job will hang unless more CPUs are freed up.")
+        ray_data.warning("a warning of Ray Data's")
+        ray_data.info("an execution plan")
+    ray_data.info("after preparing")
+    printed = [line.split(" -- ", 1)[1] for line in ray_data_console.getvalue().splitlines()]
+    assert printed == ["a warning of Ray Data's", "after preparing"]
 
 
 def test_a_directory_raywright_did_not_write_is_never_overwritten(ray_session, corpus_dir, tmp_path):

@@ -15,11 +15,13 @@ import fcntl
 import fnmatch
 import hashlib
 import json
+import logging
 import os
 import shutil
 import sys
 import sysconfig
 import uuid
+from collections.abc import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -38,6 +40,9 @@ MANIFEST = "manifest.json"
 TOKENS_PER_PACK = 1 << 24  # documents packed together: a block of ~32 MB of tokens
 PREPARING = ".raywright-dataset"  # written first: a directory holding it is raywright's to replace
 SPLITS = ("train", "val")
+# Logged by Ray Data before an execution that starts right after another: Ray's view of free CPUs lags the
+# tasks that just ended by up to a second (measured), so preparing a corpus is never short of CPUs.
+LAGGING_NO_CPU_WARNING = "Warning: The Ray cluster currently does not have any available CPUs"
 COPY_SOURCE = "source.json"  # in a node-local copy of a split: the dataset it was built from
 
 
@@ -171,6 +176,32 @@ def make_tokenizer(choice: str, vocab_size: int, docs) -> BPETokenizer:
     return load_tokenizer(choice)
 
 
+@contextlib.contextmanager
+def _ray_data_logs_to_file_only() -> Iterator[None]:
+    """Ray Data's execution plans and progress (~60 lines for the five executions of ``prepare``) go to its log
+    file (``logs/ray-data/ray-data.log`` in the Ray session) and not to the console, which keeps Ray Data's
+    warnings less ``LAGGING_NO_CPU_WARNING``. Progress bars on an interactive terminal are not logs: they stay."""
+    consoles = [
+        handler
+        for handler in logging.getLogger("ray.data").handlers
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
+    ]
+    levels = [handler.level for handler in consoles]
+
+    def not_lagging_no_cpu(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(LAGGING_NO_CPU_WARNING)
+
+    for handler in consoles:
+        handler.setLevel(max(handler.level, logging.WARNING))
+        handler.addFilter(not_lagging_no_cpu)
+    try:
+        yield
+    finally:
+        for handler, level in zip(consoles, levels, strict=True):
+            handler.setLevel(level)
+            handler.removeFilter(not_lagging_no_cpu)
+
+
 def prepare(
     source: str,
     out: str,
@@ -189,7 +220,13 @@ def prepare(
 
     refuse_foreign(out)  # before any work: a user's directory is never touched
     ray.data.DataContext.get_current().execution_options.preserve_order = True  # reproducible shards
-    source = source or default_source()
+    with _ray_data_logs_to_file_only():
+        return _prepare(source or default_source(), out, seq_len, val_fraction, text_column, tokenizer, vocab_size)
+
+
+def _prepare(
+    source: str, out: str, seq_len: int, val_fraction: float, text_column: str, tokenizer: str, vocab_size: int
+) -> dict:
     fs, files, kind = list_source(source)
     docs = (
         _read_documents(fs, files, kind, text_column)
