@@ -100,11 +100,13 @@ def main(argv: list[str] | None = None) -> int:
         ports = ", ".join(os.environ.get(name, str(port)) for name, port in HAPROXY_PORTS.items())
         print(f"warning: HAProxy's stats and metrics listen on all interfaces (ports {ports})", file=sys.stderr)
     ray.init(address=os.environ.get("RAY_ADDRESS", "local"))
-    serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build_app(cfg.to_dict()), name="raywright", route_prefix="/")
-    print(f"serving {cfg.checkpoint} at http://{args.host}:{args.port}/v1 (Ctrl-C or SIGTERM stops)", flush=True)
+    # After ray.init, which installs a SIGTERM handler of its own (a stack dump, exit 15), and before Serve starts:
+    # /ready answers before serve.run returns, and a stop sent then must stop the server as cleanly as later.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_app(cfg.to_dict()), name="raywright", route_prefix="/")
+        print(f"serving {cfg.checkpoint} at http://{args.host}:{args.port}/v1 (Ctrl-C or SIGTERM stops)", flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
