@@ -130,6 +130,7 @@ def test_readme_commands_run_as_written(tmp_path):
             if command == "python -m tune --config tiny":  # no node of a local Ray has `spot`: dropped, said once
                 warnings = [line for line in done.stderr.splitlines() if line.startswith("warning: trial_resources")]
                 assert len(warnings) == 1 and "'spot'" in warnings[0], warnings
+                assert "max_concurrent_trials" not in done.stderr, done.stderr  # Tune's, were both limits given
                 assert f"best recipe: {tmp_path}/runs/sweeps/tiny/best-tiny.yaml" in done.stdout
             if command == "python -m tune --resume runs/sweeps/tiny":  # finished: its summary, without a Ray
                 assert "best recipe:" in done.stdout and "Started a local Ray" not in done.stderr, done.stderr

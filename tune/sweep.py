@@ -230,8 +230,7 @@ def run_sweep_config(sweep: SweepConfig) -> SweepResult:
         tune_config=tune.TuneConfig(
             search_alg=searcher,
             scheduler=scheduler,
-            num_samples=sweep.num_trials,
-            max_concurrent_trials=sweep.max_concurrent_trials,
+            num_samples=sweep.num_trials,  # the searcher limits how many run at once (max_concurrent_trials)
         ),
         run_config=tune.RunConfig(
             name=sweep.name,
