@@ -40,8 +40,9 @@ MANIFEST = "manifest.json"
 TOKENS_PER_PACK = 1 << 24  # documents packed together: a block of ~32 MB of tokens
 PREPARING = ".raywright-dataset"  # written first: a directory holding it is raywright's to replace
 SPLITS = ("train", "val")
-# Logged by Ray Data before an execution that starts right after another: Ray's view of free CPUs lags the
-# tasks that just ended by up to a second (measured), so preparing a corpus is never short of CPUs.
+# Logged by Ray Data before an execution that starts right after another, as prepare's do: Ray's view of free CPUs
+# lags the tasks that just ended (1 of 2 CPUs free right after, both 0.25 s later: measured), so it warns of a
+# hang that does not come.
 LAGGING_NO_CPU_WARNING = "Warning: The Ray cluster currently does not have any available CPUs"
 COPY_SOURCE = "source.json"  # in a node-local copy of a split: the dataset it was built from
 
