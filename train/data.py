@@ -221,33 +221,28 @@ def prepare(
 
     refuse_foreign(out)  # before any work: a user's directory is never touched
     ray.data.DataContext.get_current().execution_options.preserve_order = True  # reproducible shards
-    with _ray_data_logs_to_file_only():
-        return _prepare(source or default_source(), out, seq_len, val_fraction, text_column, tokenizer, vocab_size)
-
-
-def _prepare(
-    source: str, out: str, seq_len: int, val_fraction: float, text_column: str, tokenizer: str, vocab_size: int
-) -> dict:
+    source = source or default_source()
     fs, files, kind = list_source(source)
-    docs = (
-        _read_documents(fs, files, kind, text_column)
-        .map_batches(_split_documents, fn_kwargs={"val_fraction": val_fraction}, batch_format="numpy")
-        .materialize()
-    )
-    digests = sorted(bytes(d) for d in docs.select_columns(["digest"]).to_pandas()["digest"])
-    chosen = make_tokenizer(tokenizer, vocab_size, docs)
-    tokens = docs.map_batches(_tokenize, fn_kwargs={"tokenizer": chosen}, batch_format="numpy").materialize()
-    # Locally the dataset is written to a sibling and renamed into place, so an interrupted or concurrent
-    # preparation never leaves a half-written one at ``out``; object storage has no rename: written in place.
-    staging = f"{out.rstrip('/')}.preparing-{uuid.uuid4().hex[:8]}" if storage.is_local(out) else out
-    if staging == out and storage.exists(out):
-        storage.delete_dir(out)  # raywright's own (checked above): a rerun replaces it whole
-    try:
-        manifest = _write_dataset(staging, tokens, chosen, seq_len, source)
-    except BaseException:
-        if staging != out and storage.exists(staging):
-            storage.delete_dir(staging)
-        raise
+    with _ray_data_logs_to_file_only():
+        docs = (
+            _read_documents(fs, files, kind, text_column)
+            .map_batches(_split_documents, fn_kwargs={"val_fraction": val_fraction}, batch_format="numpy")
+            .materialize()
+        )
+        digests = sorted(bytes(d) for d in docs.select_columns(["digest"]).to_pandas()["digest"])
+        chosen = make_tokenizer(tokenizer, vocab_size, docs)
+        tokens = docs.map_batches(_tokenize, fn_kwargs={"tokenizer": chosen}, batch_format="numpy").materialize()
+        # Locally the dataset is written to a sibling and renamed into place, so an interrupted or concurrent
+        # preparation never leaves a half-written one at ``out``; object storage has no rename: written in place.
+        staging = f"{out.rstrip('/')}.preparing-{uuid.uuid4().hex[:8]}" if storage.is_local(out) else out
+        if staging == out and storage.exists(out):
+            storage.delete_dir(out)  # raywright's own (checked above): a rerun replaces it whole
+        try:
+            manifest = _write_dataset(staging, tokens, chosen, seq_len, source)
+        except BaseException:
+            if staging != out and storage.exists(staging):
+                storage.delete_dir(staging)
+            raise
     source_sha256 = hashlib.sha256(b"".join(digests)).hexdigest()
     manifest.update(source_sha256=source_sha256, documents=len(digests), val_fraction=val_fraction)
     storage.write_json(storage.join(staging, MANIFEST), manifest)  # last: it makes the dataset complete
