@@ -19,6 +19,7 @@ def test_byte_tokenizer_is_the_identity_on_bytes_and_its_hf_form_agrees():
         assert tokenizer.decode(ids) == text.encode()
     assert tokenizer.decode([72, 256, 105]) == b"Hi"  # end-of-text carries no text
     assert tokenizer.encode(b"\xff\xfe").tolist() == [255, 254]  # any bytes, UTF-8 or not
+    assert [ids.tolist() for ids in tokenizer.encode_batch([b"\xff", "é"])] == [[255], [195, 169]]
 
 
 def test_trained_bpe_compresses_and_decodes_to_the_exact_bytes(tmp_path):
@@ -29,6 +30,10 @@ def test_trained_bpe_compresses_and_decodes_to_the_exact_bytes(tmp_path):
     assert len(tokenizer.encode(source)) < len(source.encode()) / 2
     for text in [source, *TEXTS]:
         assert tokenizer.decode(tokenizer.encode(text)) == text.encode()
+    # A batch (as prepare tokenizes) gives each text the tokens of the tokenizer's own encode, invalid UTF-8 replaced.
+    batch = [source, *TEXTS, b"caf\xe9 \xff"]
+    expected = [tokenizer.hf.encode(text if isinstance(text, str) else "caf\ufffd \ufffd").ids for text in batch]
+    assert [ids.tolist() for ids in tokenizer.encode_batch(batch)] == expected
     # A multi-byte character may end in the middle of a token run; the bytes still join up.
     pieces = b"".join(tokenizer.decode([t]) for t in tokenizer.encode("中文 Grüße"))
     assert pieces.decode() == "中文 Grüße"

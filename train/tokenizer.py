@@ -11,7 +11,7 @@ and decoding yields bytes, which serving turns into text with an incremental UTF
 """
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -59,9 +59,13 @@ class BPETokenizer:
                 self.token_bytes[token_id] = bytes(to_byte[char] for char in token)
 
     def encode(self, text: str | bytes) -> np.ndarray:
-        if isinstance(text, bytes):
-            text = text.decode("utf-8", errors="replace")
-        return np.array(self.hf.encode(text, add_special_tokens=False).ids, dtype=np.uint16)
+        return self.encode_batch([text])[0]
+
+    def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
+        """The tokens of each text (invalid UTF-8 replaced), from one call that tracks no character offsets: on
+        Python source a third faster per text than the tokenizer's ``encode``."""
+        texts = [text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text for text in texts]
+        return [np.array(e.ids, dtype=np.uint16) for e in self.hf.encode_batch_fast(texts, add_special_tokens=False)]
 
     def decode(self, tokens: Iterable[int]) -> bytes:
         """The bytes of ``tokens``, special tokens dropped (callers decode UTF-8 incrementally)."""
@@ -95,6 +99,9 @@ class ByteTokenizer(BPETokenizer):
         """Exact for any bytes, valid UTF-8 or not (the BPE path would replace invalid bytes)."""
         data = text.encode("utf-8") if isinstance(text, str) else text
         return np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
+
+    def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
+        return [self.encode(text) for text in texts]
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
