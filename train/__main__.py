@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     except DivergedError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM before Ray Train trained (then it ends the run gracefully)
+        print("interrupted", file=sys.stderr)
+        return 130
     elastic = summary.elastic
     lines = {
         "run": summary.run_dir,

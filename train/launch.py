@@ -128,8 +128,17 @@ def say_what_the_cluster_lacks(cfg: TrainConfig) -> None:
 def stop_gracefully_on_sigterm() -> None:
     """Take SIGTERM (what ``ray job stop`` sends first) as Ctrl-C, which Ray Train turns into a
     graceful abort: the run withdraws its autoscaler request, so its idle nodes are given back after
-    the idle timeout instead of after the request expires (3 more minutes of GPU nodes)."""
-    signal.signal(signal.SIGTERM, lambda signum, frame: signal.raise_signal(signal.SIGINT))
+    the idle timeout instead of after the request expires (3 more minutes of GPU nodes). Before Ray Train
+    trains (the dataset being prepared), a KeyboardInterrupt, even where SIGINT is ignored, as a background
+    job of a non-interactive shell starts: there a SIGTERM relayed as SIGINT went unheard."""
+
+    def as_ctrl_c(signum: int, frame) -> None:
+        on_ctrl_c = signal.getsignal(signal.SIGINT)
+        if not callable(on_ctrl_c):  # ignored, or left to the OS: no Python handler to call
+            raise KeyboardInterrupt
+        on_ctrl_c(signal.SIGINT, frame)
+
+    signal.signal(signal.SIGTERM, as_ctrl_c)
 
 
 def set_ray_train_env(cfg: TrainConfig) -> None:
