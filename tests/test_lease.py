@@ -12,6 +12,7 @@ import pytest
 from ray._common.test_utils import wait_for_condition
 
 from train import storage
+from train.launch import stop_gracefully_on_sigterm
 from train.lease import LEASE, Lease, RunOwnedError
 
 pytestmark = pytest.mark.unit
@@ -59,18 +60,22 @@ def test_a_killed_driver_of_this_host_is_taken_over_at_once(run_uri):
     assert json.loads(storage.read_bytes(storage.join(run_uri, LEASE)))["token"] == lease.token
 
 
-def test_a_driver_that_lost_its_lease_stops(tmp_path):
+@pytest.mark.parametrize("on_ctrl_c", [signal.default_int_handler, signal.SIG_IGN], ids=["handled", "ignored"])
+def test_a_driver_that_lost_its_lease_stops(tmp_path, on_ctrl_c):
+    """Whether Ctrl-C has Python's own handler or is ignored, as in a script's background job: there the command
+    line's SIGTERM handler stops the driver. (A Ray Train run earlier in this process may have left its handler,
+    which aborts that run's controller instead: what a training driver wants; invisible here.)"""
     run_uri = str(tmp_path / "run")
-    # Python's own Ctrl-C handling: a Ray Train run earlier in this process may have left its handler,
-    # which aborts that run's controller instead (what a training driver wants; invisible here).
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    previous = signal.signal(signal.SIGINT, on_ctrl_c), signal.getsignal(signal.SIGTERM)
+    stop_gracefully_on_sigterm()
     start = time.monotonic()
     try:
         with pytest.raises(KeyboardInterrupt), Lease(run_uri, stale_after_s=0.5):
             _write_lease(run_uri, 1, heartbeat=time.time())  # taken over while this driver was paused
             time.sleep(30)  # the heartbeat (every 0.1 s) interrupts this, as Ctrl-C would
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGINT, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
     assert time.monotonic() - start < 5
     assert json.loads(storage.read_bytes(storage.join(run_uri, LEASE)))["token"] == "someone-else"  # not ours
 

@@ -109,7 +109,10 @@ class Lease:
                 continue
             taker = holder.describe(time.time()) if holder else "none: the lease file was deleted"
             print(f"error: this driver lost the lease of its run to another ({taker}); stopping", file=sys.stderr)
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # as Ctrl-C would
+            # As Ctrl-C would; where SIGINT has no Python handler (a script's background job starts with it
+            # ignored), as SIGTERM, which python -m train takes as Ctrl-C.
+            ctrl_c = signal.SIGINT if callable(signal.getsignal(signal.SIGINT)) else signal.SIGTERM
+            signal.pthread_kill(threading.main_thread().ident, ctrl_c)
             return
 
     def release(self) -> None:
