@@ -38,7 +38,7 @@ HOW = {
         "needs an S3 bucket"
     ),
     "python -m train --set data.tokenizer=bpe --set data.vocab_size=8192 --set run.name=tiny-bpe": STEPS,
-    "python -m train": "command 1 again (the Hugging Face section starts from its export): run above",
+    "python -m train": STEPS,  # command 1 again, where the Hugging Face section starts: trained already, it says so
     'python -c "\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\nmodel = AutoModelForCausalLM.'
     "from_pretrained('runs/tiny/export')\ntokenizer = AutoTokenizer.from_pretrained('runs/tiny/export')\nids = "
     "tokenizer('def main(', return_tensors='pt').input_ids\nprint(tokenizer.decode(model.generate(ids, "
@@ -101,6 +101,17 @@ def _shell(command: str, cwd: Path, env: dict, timeout: int = 600) -> subprocess
     return done
 
 
+def _stop(server: subprocess.Popen) -> None:
+    """SIGTERM (kill, docker stop), not Ctrl-C's SIGINT, which a shell starting pytest in the background leaves
+    ignored. The server shuts down Serve and the Ray it started."""
+    server.send_signal(signal.SIGTERM)
+    try:
+        assert server.wait(timeout=60) == 0  # stopped cleanly (killed by the signal it would be -15)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)  # whatever it left
+
+
 @pytest.mark.cluster
 def test_readme_commands_run_as_written(tmp_path):
     """In README order, in one directory, each on its own private Ray as a user's laptop would run them."""
@@ -125,8 +136,13 @@ def test_readme_commands_run_as_written(tmp_path):
             done = _shell(command, tmp_path, env)
             if command.startswith("curl"):
                 assert '"text"' in done.stdout, done.stdout
+                stopping, server = server, None
+                _stop(stopping)  # its Ray would share the cores with the commands after it
             if command == "python -m train --help":
                 assert "optim.lr  (float" in done.stdout
+            if command == "python -m train":  # the run of command 1, finished: not started again
+                assert "'tiny' is already trained to step 4 and exported; nothing to train" in done.stdout
+                assert "Started a local Ray" not in done.stderr, done.stderr
             if command == "python -m tune --config tiny":  # no node of a local Ray has `spot`: dropped, said once
                 warnings = [line for line in done.stderr.splitlines() if line.startswith("warning: trial_resources")]
                 assert len(warnings) == 1 and "'spot'" in warnings[0], warnings
@@ -136,14 +152,7 @@ def test_readme_commands_run_as_written(tmp_path):
                 assert "best recipe:" in done.stdout and "Started a local Ray" not in done.stderr, done.stderr
     finally:
         if server is not None:
-            # SIGTERM (kill, docker stop), not Ctrl-C's SIGINT, which a shell starting pytest in the background
-            # leaves ignored. The server shuts down Serve and the Ray it started.
-            server.send_signal(signal.SIGTERM)
-            try:
-                assert server.wait(timeout=60) == 0  # stopped cleanly (killed by the signal it would be -15)
-            finally:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(server.pid, signal.SIGKILL)  # whatever it left
+            _stop(server)
     assert (tmp_path / "data" / "mine" / "manifest.json").is_file()
     assert (tmp_path / "runs" / "finetune" / "export" / "model.safetensors").is_file()
     assert (tmp_path / "runs" / "best-tiny" / "export" / "model.safetensors").is_file()

@@ -20,7 +20,7 @@ from train import checkpoint, storage
 from train.config import load_config
 from train.data import prepare
 from train.export import load_exported
-from train.launch import run_training, run_uri
+from train.launch import ELASTIC_SUMMARY, run_training, run_uri
 from train.metrics import read_metrics
 from train.schema import replace
 from train.timeline import progress_of
@@ -108,7 +108,7 @@ def test_zero_stages_1_2_3_learn_the_same_thing(tiny_config):
         assert all(torch.equal(tensor, at_step_20[name]) for name, tensor in later.model.state_dict().items())
 
 
-def test_resume_skips_half_written_checkpoint_and_matches_uninterrupted_losses(tiny_config, caplog):
+def test_resume_skips_half_written_checkpoint_and_matches_uninterrupted_losses(tiny_config, caplog, capsys):
     cfg = tiny_config(
         "run.name=resume",
         "model.dropout=0.1",  # the resumed steps must draw the masks the uninterrupted ones drew
@@ -142,6 +142,14 @@ def test_resume_skips_half_written_checkpoint_and_matches_uninterrupted_losses(t
     assert [m["step"] for m in after_resume] == list(range(11, 21))
     for m in after_resume:
         assert m["loss"] == pytest.approx(uninterrupted[m["step"]], abs=1e-6)
+
+    # Run once more, finished: nothing trains, and the record of the training that did is kept as it was.
+    elastic = storage.read_bytes(f"{run}/{ELASTIC_SUMMARY}")
+    capsys.readouterr()
+    again = run_training(cfg)
+    assert "'resume' is already trained to step 20 and exported; nothing to train" in capsys.readouterr().out
+    assert again == resumed
+    assert read_metrics(run_uri(cfg)) == records and storage.read_bytes(f"{run}/{ELASTIC_SUMMARY}") == elastic
 
 
 @pytest.mark.parametrize(

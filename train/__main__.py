@@ -46,9 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         "export": summary.export,
         "steps": summary.steps,
         "val loss": " -> ".join(f"{v:.4f}" for v in (summary.initial_val_loss, summary.final_val_loss) if v),
-        "restarts": f"{elastic.get('restarts', 0)} ({elastic.get('steps_redone', 0)} steps redone)",
-        "goodput": f"{elastic.get('goodput', 0.0):.1%}",
     }
+    if elastic:  # none where the driver that trained the run stopped before it could write the record
+        lines["restarts"] = f"{elastic['restarts']} ({elastic['steps_redone']} steps redone)"
+        lines["goodput"] = f"{elastic['goodput']:.1%}"
     if "cost" in elastic:
         lines["cost"] = f"{elastic['cost']:.2f} (on-demand only: {elastic['cost_on_demand_only']:.2f})"
     print("\n".join(f"{key:>10}: {value}" for key, value in lines.items()))

@@ -21,6 +21,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from train import checkpoint, storage
 from train.config import TrainConfig
 from train.data import dataset_path, load_manifest, manifest_sha256, prepare
+from train.export import final_evaluation
 from train.lease import Lease
 from train.loop import DivergedError, train_loop
 from train.metrics import HEALTH_CHECK_INTERVAL_ENV, MetricsRecorder, read_metrics
@@ -237,6 +238,14 @@ def run_training(cfg: TrainConfig, stop_on_sigterm: bool = False) -> RunSummary:
 
 
 def _train_holding_lease(cfg: TrainConfig, stop_on_sigterm: bool) -> RunSummary:
+    trained = _already_trained(cfg)
+    if trained is not None:
+        print(
+            f"run {cfg.run.name!r} is already trained to step {trained.steps} and exported; nothing to train "
+            f"(optim.max_steps is {cfg.optim.max_steps}: raise it to train on, or give a new run.name)",
+            flush=True,
+        )
+        return trained
     if init_ray(cfg):
         offered = resources_offered(cfg.scaling.resources_per_worker, "scaling.resources_per_worker")
         cfg = replace(cfg, scaling=replace(cfg.scaling, resources_per_worker=offered))
@@ -260,7 +269,26 @@ def _train_holding_lease(cfg: TrainConfig, stop_on_sigterm: bool) -> RunSummary:
     reports = read_metrics(run)
     if reports and "diverged" in reports[-1]:
         raise DivergedError(reports[-1]["diverged"], reports[-1]["step"])
+    return _summary(run, checkpoint.latest_complete(run), reports, elastic)
+
+
+def _already_trained(cfg: TrainConfig) -> RunSummary | None:
+    """The summary of a run whose newest checkpoint is at or past ``optim.max_steps`` and whose export is of that
+    step, as its last training left it (its elastic record included, which a run that trained nothing would
+    overwrite); None where something is left to do. A run that stopped between its last checkpoint and its
+    export is not finished: its workers restore that checkpoint, evaluate and export it."""
+    run = run_uri(cfg)
     latest = checkpoint.latest_complete(run)
+    if latest is None or latest["step"] < cfg.optim.max_steps:
+        return None
+    evaluation = final_evaluation(run)
+    if evaluation is None or evaluation["step"] != latest["step"]:
+        return None
+    elastic = storage.read_json_if_exists(storage.join(run, ELASTIC_SUMMARY)) or {}
+    return _summary(run, latest, read_metrics(run), elastic)
+
+
+def _summary(run: str, latest: dict | None, reports: list[dict], elastic: dict) -> RunSummary:
     val_losses = [m["val_loss"] for m in reports if "val_loss" in m]
     return RunSummary(
         run_dir=run,
