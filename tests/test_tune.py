@@ -23,7 +23,7 @@ from train.launch import run_training
 from train.schema import ConfigError
 from tune.__main__ import main as tune_main
 from tune.config import SWEEP_DIR, load_sweep_config, sweep_config_from_dict
-from tune.sweep import TRIALS_FILE, SweepResult, _nothing_to_resume, resume_sweep, run_sweep
+from tune.sweep import SWEEP_FILE, TRIALS_FILE, SweepResult, _nothing_to_resume, _ran_with, resume_sweep, run_sweep
 from tune.trial import ENDED, ended_evaluation
 
 REPO = Path(__file__).resolve().parent.parent
@@ -276,6 +276,14 @@ def test_a_sweep_ends_once_its_step_budget_is_spent(ray_session, tiny_dataset, t
     assert len(result.trials) < 8 and result.trials["stopped_early"].any()
     # The trial the budget cut short is over too: nothing resumes it.
     assert_ended_trials_left_no_checkpoints(Path(result.path))
+    # The same sweep again is not run again (seeded, it would train the same trials): its summary, from its files.
+    entries = sorted(p.name for p in Path(result.path).iterdir())
+    again = short_sweep(tmp_path, "budget", SPACE, num_trials=8, step_budget=60)
+    pd.testing.assert_frame_equal(again.trials, result.trials)
+    assert sorted(p.name for p in Path(result.path).iterdir()) == entries
+    # Another setting is another sweep.
+    sweep = yaml.safe_load((Path(result.path) / SWEEP_FILE).read_text())
+    assert not _ran_with(sweep_config_from_dict({**sweep, "step_budget": 80}), result.path)
 
 
 def test_a_trial_that_diverges_ends_at_once_as_the_worst_result(ray_session, tiny_dataset, tmp_path):

@@ -218,11 +218,17 @@ def run_sweep(base_config: str, search_space: dict[str, dict], **options: Any) -
 
 
 def run_sweep_config(sweep: SweepConfig) -> SweepResult:
-    trainable, data_path = _trainable(sweep)
+    """Run ``sweep``; one of the same name that already ran with the same settings and finished with no trial
+    failed is not run again (seeded, it would propose and train the same trials): its summary, without Ray."""
     path = sweep_dir(sweep)
+    if _ran_with(sweep, path) and _nothing_to_resume(path):
+        print(f"sweep {sweep.name!r} already ran with these settings: its summary (give a new name to sweep again)")
+        return resume_sweep(path)
+    trainable, data_path = _trainable(sweep)
     if storage.exists(storage.join(path, TRIALS_FILE)):  # left by an earlier sweep of this name: this one runs now
         storage.delete_file(storage.join(path, TRIALS_FILE))
-    storage.write_bytes(storage.join(path, SWEEP_FILE), yaml.safe_dump(sweep.to_dict()).encode())
+    # In the order given: a summary made from it (a resumed sweep's) has the columns of the sweep's own.
+    storage.write_bytes(storage.join(path, SWEEP_FILE), yaml.safe_dump(sweep.to_dict(), sort_keys=False).encode())
     searcher, scheduler = _tuner_parts(sweep)
     tuner = tune.Tuner(
         trainable,
@@ -263,6 +269,12 @@ def resume_sweep(path: str) -> SweepResult:
     trainable, data_path = _trainable(sweep)
     tuner = tune.Tuner.restore(storage.absolute(path), trainable=trainable, resume_unfinished=True, resume_errored=True)
     return summarize(sweep, tuner.fit(), data_path)
+
+
+def _ran_with(sweep: SweepConfig, path: str) -> bool:
+    """Whether the sweep at ``path`` was started with the settings of ``sweep``."""
+    written = storage.read_if_exists(storage.join(path, SWEEP_FILE))
+    return written is not None and yaml.safe_load(written) == sweep.to_dict()
 
 
 def _nothing_to_resume(path: str) -> bool:
