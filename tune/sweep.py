@@ -223,7 +223,7 @@ def run_sweep_config(sweep: SweepConfig) -> SweepResult:
     path = sweep_dir(sweep)
     if _ran_with(sweep, path) and _nothing_to_resume(path):
         print(f"sweep {sweep.name!r} already ran with these settings: its summary (give a new name to sweep again)")
-        return resume_sweep(path)
+        return _summary_from_files(sweep, path)
     trainable, data_path = _trainable(sweep)
     if storage.exists(storage.join(path, TRIALS_FILE)):  # left by an earlier sweep of this name: this one runs now
         storage.delete_file(storage.join(path, TRIALS_FILE))
@@ -262,13 +262,18 @@ def resume_sweep(path: str) -> SweepResult:
     except OSError:
         raise ConfigError(f"--resume: {path} holds no {SWEEP_FILE}; is it a sweep directory?") from None
     sweep = sweep_config_from_dict(values)
-    if _nothing_to_resume(path):  # its summary again, from its files: no Ray to start
-        cfg = sweep.base_config([f"run.storage_path={storage.absolute(sweep.storage_root())}"])
-        results = ResultGrid(ExperimentAnalysis(storage.absolute(path)))
-        return summarize(sweep, results, storage.absolute(dataset_path(cfg)))
+    if _nothing_to_resume(path):
+        return _summary_from_files(sweep, path)
     trainable, data_path = _trainable(sweep)
     tuner = tune.Tuner.restore(storage.absolute(path), trainable=trainable, resume_unfinished=True, resume_errored=True)
     return summarize(sweep, tuner.fit(), data_path)
+
+
+def _summary_from_files(sweep: SweepConfig, path: str) -> SweepResult:
+    """The summary of the finished sweep at ``path`` again, from its files: no Ray to start."""
+    cfg = sweep.base_config([f"run.storage_path={storage.absolute(sweep.storage_root())}"])
+    results = ResultGrid(ExperimentAnalysis(storage.absolute(path)))
+    return summarize(sweep, results, storage.absolute(dataset_path(cfg)))
 
 
 def _ran_with(sweep: SweepConfig, path: str) -> bool:
