@@ -108,7 +108,12 @@ def test_a_run_in_a_bucket_survives_its_driver_killed_resumes_at_another_size_an
     # Side files are in the bucket, both drivers' reports in one metrics file; nothing is left on the driver's disk.
     steps = [m["step"] for m in read_metrics(run_uri) if "loss" in m]
     assert steps[0] == 1 and steps[-1] == MAX_STEPS and len(steps) > MAX_STEPS // 2
-    assert storage.read_json(f"{run_uri}/{ELASTIC_SUMMARY}")["world_size_timeline"]  # the resumed driver's
+    # One record of both drivers' training: the killed one's attempt, then the restart at 1 worker.
+    elastic = storage.read_json(f"{run_uri}/{ELASTIC_SUMMARY}")
+    assert [(r["from"], r["to"], r["reason"]) for r in elastic["resizes"]] == [(2, 1, "driver lost")], elastic
+    assert elastic["restarts"] == 1 and elastic["world_size_timeline"][1]["from_step"] == killed_at["step"]
+    assert "resize 2 -> 1 workers (driver lost): " in output and elastic["resizes"][0]["driver_gone_s"] > 0
+    assert 0 < elastic["step_s"] < elastic["wall_s"]
     assert not storage.exists(f"{run_uri}/{LEASE}")  # released at the end
     assert not (tmp_path / "runs").exists()
     for side_file in (METRICS, TENSORBOARD):  # the node-local copies the recorder uploaded them from

@@ -1,7 +1,8 @@
 import pytest
 import ray
 
-from train.timeline import Timeline, describe_resize, node_price_type
+from train import storage
+from train.timeline import TIMELINE, Timeline, describe_resize, node_price_type
 
 
 def test_node_price_type_is_the_first_priced_resource():
@@ -50,3 +51,49 @@ def test_resizes_redone_steps_goodput_and_cost(ray_session, monkeypatch):
     assert summary["cost"] == pytest.approx(summary["cost_on_demand_only"])  # the head node has no "spot"
     assert [(c["step"], c["reason"]) for c in summary["checkpoints"]] == [(3, "preemption"), (4, "requested")]
     assert summary["checkpoints"][-1] == lost
+
+
+def test_a_resuming_driver_continues_the_record_of_the_run(ray_session, monkeypatch, tmp_path):
+    node = ray.get_runtime_context().get_node_id()
+    now = [0.0]
+    monkeypatch.setattr("train.timeline.time.time", lambda: now[0])
+
+    def driver(resumed_step: int, steps: range) -> Timeline:
+        """A driver's timeline, continuing what the run's directory holds; it trains ``steps``, 10 s each."""
+        saved = storage.read_json_if_exists(str(tmp_path / TIMELINE))
+        timeline = Timeline({}, "ondemand", str(tmp_path), saved, save_every_s=25.0)
+        timeline.attempt_started(2, [node] * 2, resumed_step=resumed_step, startup={"entered": now[0] + 5.0})
+        now[0] += 5.0
+        for step in steps:
+            now[0] += 10.0
+            timeline.step_done(step, seconds=10.0, end=now[0])
+            if step == 2:
+                timeline.checkpoint_saved(2, "interval")
+        return timeline
+
+    # The first driver dies after step 6: its record was last saved after step 5 (saves 25 s apart, and at step 2's
+    # checkpoint), so step 6 is not known to the next driver.
+    driver(0, range(1, 7))
+    now[0] += 100.0  # until the job is submitted again
+    second = driver(2, range(3, 9))
+    second.finished()
+    summary = second.summary()
+    assert [(r["from"], r["to"], r["reason"], r["steps_redone"]) for r in summary["resizes"]] == [
+        (2, 2, "driver lost", 3)
+    ]
+    # From step 5's end (t=55) until the next driver started (t=165), then until its workers ran (t=170).
+    assert describe_resize(summary["resizes"][0]) == (
+        "resize 2 -> 2 workers (driver lost): 115.0 s lost (driver gone 110.0 s, workers up 5.0 s), 3 steps redone"
+    )
+    assert summary["step_s"] == 80.0  # steps 1-8 once each
+    assert summary["wall_s"] == pytest.approx(65.0 + 100.0 + 65.0)  # the gap while no driver ran counts
+    assert summary["restarts"] == 1
+
+    # Trained on a day after it finished (max_steps raised): a segment of its own; the day is not wall time.
+    now[0] += 86_400.0
+    third = driver(8, range(9, 11))
+    third.finished()
+    summary = third.summary()
+    assert summary["restarts"] == 1 and summary["step_s"] == 100.0
+    assert summary["wall_s"] == pytest.approx(230.0 + 25.0)
+    assert [entry["from_step"] for entry in summary["world_size_timeline"]] == [0, 2, 8]

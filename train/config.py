@@ -195,7 +195,8 @@ class RunConfig(Section):
     <run>/profile/; rank 0 prints the top ops and how busy the device was); [] = no profiling."""
     side_files_upload_s: float = Field(30.0, gt=0.0)
     """On object storage, seconds between uploads of metrics.jsonl and TensorBoard (also uploaded with every
-    checkpoint and at the end; the node keeps them meanwhile, and through a failed upload)."""
+    checkpoint and at the end; the node keeps them meanwhile, and through a failed upload); on any storage, between
+    saves of the steps to timeline.json, the elastic record a resuming driver continues."""
     storage_wait_s: float = Field(300.0, ge=0.0)
     """How long a (re)starting worker waits for the run's storage and dataset to answer before its attempt fails:
     a restart during a storage outage then costs the wait, not one of scaling.max_failures."""

@@ -30,7 +30,7 @@ from train.process_group import free_port, own_state_api_env
 from train.run_layout import export_uri
 from train.scaling_policy import ElasticTorchTrainer
 from train.schema import replace
-from train.timeline import TIMELINE_PREFIX, RunTimeline
+from train.timeline import TIMELINE, TIMELINE_PREFIX, RunTimeline
 
 ELASTIC_SUMMARY = "elastic_summary.json"
 
@@ -254,17 +254,23 @@ def _train_holding_lease(cfg: TrainConfig, stop_on_sigterm: bool) -> RunSummary:
     if stop_on_sigterm:
         stop_gracefully_on_sigterm()  # after ray.init, which installs a SIGTERM handler of its own
     data_path, manifest = ensure_dataset(cfg)
+    run = run_uri(cfg)
     timeline_name = f"{TIMELINE_PREFIX}{cfg.run.name}-{uuid.uuid4().hex[:8]}"
     # On the driver's node (the head on a cluster): the timeline must outlive any worker node.
     timeline = RunTimeline.options(
         name=timeline_name,
         scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
-    ).remote(cfg.cost.price_per_hour, cfg.cost.on_demand_type)
+    ).remote(
+        cfg.cost.price_per_hour,
+        cfg.cost.on_demand_type,
+        run,
+        storage.read_json_if_exists(storage.join(run, TIMELINE)),  # an earlier driver's, continued
+        cfg.run.side_files_upload_s,
+    )
     build_trainer(cfg, data_path, manifest, timeline_name).fit()
     ray.get(timeline.finished.remote())
     elastic = ray.get(timeline.summary.remote())
     ray.kill(timeline)
-    run = run_uri(cfg)
     storage.write_json(storage.join(run, ELASTIC_SUMMARY), elastic)
     reports = read_metrics(run)
     if reports and "diverged" in reports[-1]:

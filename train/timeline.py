@@ -5,13 +5,23 @@ reports: an attempt started (world size, nodes, step resumed from), each finishe
 each checkpoint, a pre-emption notice. From these it derives every resize (from -> to,
 reason, seconds lost, steps redone) and the run summary. It lives outside the workers, so
 it sees across restarts; workers only send it one-way messages, off the training path.
+
+It saves its events to ``<run>/timeline.json`` (at each attempt, checkpoint and notice, and
+every ``run.side_files_upload_s`` of steps), so the driver that resumes a run continues its
+record: a driver that died counts as a restart ("driver lost", its last steps known as of the
+last save); a run trained on after it finished (``optim.max_steps`` raised) adds a segment
+whose gap is not wall time.
 """
 
+import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import ray
+
+from train import storage
+from train.run_files import try_upload
 
 
 @dataclass
@@ -37,8 +47,9 @@ class TimelineState:
 
 
 TIMELINE_PREFIX = "raywright-timeline-"
+TIMELINE = "timeline.json"  # the events of the run's drivers so far, in the run's directory
 # Where a restart's seconds go, in order; the first step after them completes the seconds lost.
-RESTART_PHASES = ("workers_up_s", "storage_wait_s", "data_s", "convert_s", "engine_s", "load_s")
+RESTART_PHASES = ("driver_gone_s", "workers_up_s", "storage_wait_s", "data_s", "convert_s", "engine_s", "load_s")
 
 
 def timeline_of(run_name: str):
@@ -70,13 +81,46 @@ def node_price_type(resources: dict[str, float], prices: dict[str, float], defau
     return next((kind for kind in prices if resources.get(kind, 0) > 0), default)
 
 
-class Timeline:
-    """The run's event log and its derived figures; run as the ``RunTimeline`` actor."""
+def state_from_json(saved: dict[str, Any]) -> TimelineState:
+    """A ``TimelineState`` as ``Timeline`` saved it (JSON keys are strings: the steps are made ints again)."""
+    return TimelineState(
+        attempts=[Attempt(**attempt) for attempt in saved["attempts"]],
+        step_seconds={int(step): seconds for step, seconds in saved["step_seconds"].items()},
+        checkpoints=saved["checkpoints"],
+        finished=saved["finished"],
+    )
 
-    def __init__(self, prices: dict[str, float], on_demand_type: str):
+
+class Timeline:
+    """The run's event log and its derived figures; run as the ``RunTimeline`` actor.
+
+    ``run_uri``: where to save the events (None: kept in memory only); ``saved``: what an earlier driver of the run
+    saved there, continued."""
+
+    def __init__(
+        self,
+        prices: dict[str, float],
+        on_demand_type: str,
+        run_uri: str | None = None,
+        saved: dict[str, Any] | None = None,
+        save_every_s: float = 30.0,
+    ):
         self.prices = prices
         self.on_demand_type = on_demand_type
-        self.state = TimelineState()
+        self.uri = run_uri and storage.join(run_uri, TIMELINE)
+        self.save_every_s = save_every_s
+        self.saved_at = 0.0
+        self.state = state_from_json(saved) if saved else TimelineState()
+        # The driver that saved it died: its last attempt ended with its last step known.
+        self.driver_lost = bool(self.state.attempts) and not self.state.finished
+        self.created = time.time()  # when this driver had the run's dataset ready
+
+    def _save(self) -> None:
+        """Write the events to the run's storage; a failed write is logged and left to the next save."""
+        if self.uri:
+            data = json.dumps(asdict(self.state)).encode()
+            try_upload(lambda: storage.write_bytes(self.uri, data), self.uri, "the run's timeline")
+            self.saved_at = time.time()
 
     def attempt_started(
         self,
@@ -93,29 +137,36 @@ class Timeline:
         resources = {n["NodeID"]: n["Resources"] for n in ray.nodes()}
         types = {n: node_price_type(resources.get(n, {}), self.prices, self.on_demand_type) for n in set(node_ids)}
         attempt = Attempt(world_size, node_ids, types, resumed_step, start=now)
-        if self.state.attempts:
+        # Steps after the restored checkpoint are redone; they no longer count.
+        for step in [s for s in self.state.step_seconds if s > resumed_step]:
+            del self.state.step_seconds[step]
+        if self.state.finished:  # a run trained on after it finished: a new segment, not a restart
+            self.state.finished = 0.0
+        elif self.state.attempts:
             previous = self.state.attempts[-1]
-            previous.end = previous.end or now
+            previous.end = previous.end or ((previous.last_step_end or previous.start) if self.driver_lost else now)
             # A checkpoint is recorded after it counts: a restart in between (the grow it answered, a node lost)
             # can stop its attempt before the record is sent.
             saved = {checkpoint["step"] for checkpoint in self.state.checkpoints}
             if resumed_checkpoint and resumed_checkpoint["step"] not in saved:
                 self.state.checkpoints.append(resumed_checkpoint)
-            # Steps after the restored checkpoint are redone; they no longer count.
-            for step in [s for s in self.state.step_seconds if s > resumed_step]:
-                del self.state.step_seconds[step]
             attempt.resize = {
                 "from": previous.world_size,
                 "to": world_size,
-                "reason": self._reason(previous, world_size),
+                "reason": "driver lost" if self.driver_lost else self._reason(previous, world_size),
                 "steps_redone": max(0, previous.last_step - resumed_step),
                 "at_step": resumed_step,
             }
             if startup:
-                # From the last step before the restart until the new workers ran the training function.
-                startup = {**startup, "workers_up_s": startup["entered"] - (previous.last_step_end or previous.start)}
+                # From the last step before the restart until the new workers ran the training function; after a
+                # driver lost, first until the next driver was ready to start them.
+                last_step_end = previous.last_step_end or previous.start
+                gone = {"driver_gone_s": self.created - last_step_end} if self.driver_lost else {}
+                startup = {**startup, **gone, "workers_up_s": startup["entered"] - max(last_step_end, self.created)}
                 attempt.resize.update({key: startup[key] for key in RESTART_PHASES if key in startup})
+        self.driver_lost = False
         self.state.attempts.append(attempt)
+        self._save()
 
     @staticmethod
     def _reason(previous: Attempt, world_size: int) -> str:
@@ -135,17 +186,22 @@ class Timeline:
             attempt.resize["seconds_lost"] = end - seconds - (previous.last_step_end or previous.start)
         attempt.last_step, attempt.last_step_end = step, end
         self.state.step_seconds[step] = seconds
+        if time.time() - self.saved_at >= self.save_every_s:
+            self._save()
 
     def checkpoint_saved(self, step: int, reason: str) -> None:
         self.state.checkpoints.append({"step": step, "reason": reason, "time": time.time()})
+        self._save()
 
     def preemption_notice(self) -> None:
         self.state.attempts[-1].preempted = True
+        self._save()
 
     def finished(self) -> None:
         self.state.finished = time.time()
         if self.state.attempts:
             self.state.attempts[-1].end = self.state.finished
+        self._save()
 
     def progress(self) -> dict[str, Any]:
         """The current world size and last step (for tests and dashboards)."""
@@ -172,21 +228,27 @@ def summarize(state: TimelineState, prices: dict[str, float], on_demand_type: st
     if not attempts:
         return {}
     end = state.finished or attempts[-1].last_step_end or time.time()
-    wall = end - attempts[0].start
+    # Wall time of each segment (a first attempt, and the restarts after it): not the gaps between finished ones.
+    firsts = [i for i, a in enumerate(attempts) if a.resize is None]
+    wall = sum(
+        (attempts[after - 1].end if after < len(attempts) else end) - attempts[first].start
+        for first, after in zip(firsts, [*firsts[1:], len(attempts)], strict=True)
+    )
     node_seconds: dict[str, float] = {}
     for attempt in attempts:
         seconds = (attempt.end or end) - attempt.start
         for kind in attempt.node_types.values():
             node_seconds[kind] = node_seconds.get(kind, 0.0) + seconds
     useful = sum(state.step_seconds.values())
+    resizes = [a.resize for a in attempts if a.resize]
     summary = {
         "world_size_timeline": [
             {"world_size": a.world_size, "from_step": a.resumed_step, "start_s": a.start - attempts[0].start}
             for a in attempts
         ],
-        "resizes": [a.resize for a in attempts if a.resize],
-        "restarts": len(attempts) - 1,
-        "steps_redone": sum(a.resize["steps_redone"] for a in attempts if a.resize),
+        "resizes": resizes,
+        "restarts": len(resizes),
+        "steps_redone": sum(resize["steps_redone"] for resize in resizes),
         "wall_s": wall,
         "step_s": useful,
         "goodput": useful / wall if wall > 0 else 0.0,
