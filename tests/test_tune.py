@@ -15,6 +15,7 @@ import nbformat
 import pandas as pd
 import pytest
 import yaml
+from ray.tune import Result
 from ray.util.state import list_actors
 
 from cluster.drain import drain_node
@@ -23,7 +24,16 @@ from train.launch import run_training
 from train.schema import ConfigError
 from tune.__main__ import main as tune_main
 from tune.config import SWEEP_DIR, load_sweep_config, sweep_config_from_dict
-from tune.sweep import SWEEP_FILE, TRIALS_FILE, SweepResult, _nothing_to_resume, _ran_with, resume_sweep, run_sweep
+from tune.sweep import (
+    SWEEP_FILE,
+    TRIALS_FILE,
+    SweepResult,
+    _nothing_to_resume,
+    _ran_with,
+    resume_sweep,
+    run_sweep,
+    summarize,
+)
 from tune.trial import ENDED, ended_evaluation
 
 REPO = Path(__file__).resolve().parent.parent
@@ -97,6 +107,26 @@ def test_only_a_sweep_that_finished_with_no_failed_trial_has_nothing_to_resume(t
     assert not _nothing_to_resume(str(tmp_path))  # --resume runs the failed trial again
     (tmp_path / TRIALS_FILE).write_text("trial_id,val_loss,error\na1,3.5,False\nb2,3.1,False\n")
     assert _nothing_to_resume(str(tmp_path))
+
+
+@pytest.mark.unit
+def test_a_trial_the_sweep_ended_before_it_reported_is_not_in_the_summary(tmp_path):
+    """Tune's own results give such a trial its config (the sweep's summary), its files do not (the summary made
+    again from them): both leave it out, so the two are the same table."""
+    sweep = sweep_config_from_dict({"base": "tiny", "space": SPACE, "storage_path": str(tmp_path), "name": "ended"})
+    config = {"optim.lr": 1e-3, "optim.warmup_steps": 0, "model.d_model": 64}
+    history = pd.DataFrame({"step": [0, 40], "val_loss": [5.0, 3.0], "trial_start": [1.0, 1.0], "time": [2.0, 9.0]})
+    reported = Result({"config": config, "trial_id": "a1", "node_id": "n"}, None, None, "x/run_trial_a1_1", history)
+    started = Result({"config": config, "trial_id": "b2"}, None, None, "x/run_trial_b2_2", pd.DataFrame())
+    proposed = Result({}, None, None, "x/run_trial_c3_3", None)
+    data_path = str(tmp_path / "data")
+    live = summarize(sweep, [reported, started, proposed], data_path).trials
+    from_files = summarize(sweep, [reported, Result({}, None, None, "x/run_trial_b2_2", pd.DataFrame())], data_path)
+    assert live["trial_id"].tolist() == ["a1"] and live.loc[0, "steps"] == 40
+    pd.testing.assert_frame_equal(from_files.trials, live)
+    # A trial that failed before it reported stays: --resume runs it again.
+    failed = Result({"config": config}, None, RuntimeError("boom"), "x/run_trial_d4_4", pd.DataFrame())
+    assert summarize(sweep, [reported, failed], data_path).trials["trial_id"].tolist() == ["a1", "d4"]
 
 
 def test_notebook_sweep_stops_trials_early_runs_them_concurrently_and_its_best_recipe_trains(

@@ -293,10 +293,13 @@ def summarize(sweep: SweepConfig, results, data_path: str) -> SweepResult:
     max_steps = sweep.base_config().optim.max_steps
     rows, curves = [], {}
     for result in results:
-        if result.config is None:  # proposed, but the sweep ended (step_budget, target) before it started
-            continue
         history = result.metrics_dataframe
         reported = history is not None and sweep.metric in history
+        # Proposed, or started, but the sweep ended (step_budget, target) before the trial reported: it trained
+        # nothing that counts. Left out alike from the sweep's own summary and from one made from its files later,
+        # where Tune's files give a started trial that never reported no config.
+        if result.config is None or not (reported or result.error):
+            continue
         row = {
             # A trial that failed before its first report has no metrics: its id is in its directory name.
             "trial_id": result.metrics.get("trial_id") or os.path.basename(result.path).split("_")[2],
