@@ -16,6 +16,7 @@ whose gap is not wall time.
 import json
 import time
 from dataclasses import asdict, dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import ray
@@ -162,7 +163,8 @@ class Timeline:
                 # driver lost, first until the next driver was ready to start them.
                 last_step_end = previous.last_step_end or previous.start
                 gone = {"driver_gone_s": self.created - last_step_end} if self.driver_lost else {}
-                startup = {**startup, **gone, "workers_up_s": startup["entered"] - max(last_step_end, self.created)}
+                workers_from = self.created if self.driver_lost else last_step_end
+                startup = {**startup, **gone, "workers_up_s": startup["entered"] - workers_from}
                 attempt.resize.update({key: startup[key] for key in RESTART_PHASES if key in startup})
         self.driver_lost = False
         self.state.attempts.append(attempt)
@@ -228,12 +230,9 @@ def summarize(state: TimelineState, prices: dict[str, float], on_demand_type: st
     if not attempts:
         return {}
     end = state.finished or attempts[-1].last_step_end or time.time()
-    # Wall time of each segment (a first attempt, and the restarts after it): not the gaps between finished ones.
-    firsts = [i for i, a in enumerate(attempts) if a.resize is None]
-    wall = sum(
-        (attempts[after - 1].end if after < len(attempts) else end) - attempts[first].start
-        for first, after in zip(firsts, [*firsts[1:], len(attempts)], strict=True)
-    )
+    # Less the gaps before the segments added to a finished run (an attempt without a resize, after the first).
+    gaps = sum(later.start - earlier.end for earlier, later in pairwise(attempts) if later.resize is None)
+    wall = end - attempts[0].start - gaps
     node_seconds: dict[str, float] = {}
     for attempt in attempts:
         seconds = (attempt.end or end) - attempt.start
