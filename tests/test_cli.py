@@ -48,6 +48,7 @@ CASES = [
     ("tune --config tiny --set num_trials=0", "num_trials"),
     ("tune --config tiny --set 'space={optim.lrate: {choice: [1]}}'", "optim.lrate"),
     ("tune --resume {tmp}", "--resume"),
+    ("tune --resume {tmp} --set num_trials=3", "--set: a resumed sweep keeps the settings it started with"),
     ("serve", "checkpoint"),
     ("serve --checkpoint {tmp}/no-such-export", "checkpoint"),
     ("serve --checkpoint {tmp}/resumed/tiny", "export one of its checkpoints first: python -m train.export_checkpoint"),
@@ -142,7 +143,7 @@ def test_help_documents_the_settings(cli):
 # A CLI's bad setting, what its one line names, and a --print-config that works.
 QUICK_ANSWERS = {
     "train": (["--set", "optim.lrr=1"], "unknown key optim.lrr", ["--print-config"]),
-    "tune": (["--config", "tiny", "--set", "num_trials=0"], "num_trials", ["--config", "tiny", "--print-config"]),
+    "tune": (["--resume", "/nonexistent/sweep"], "holds no sweep.yaml", ["--config", "tiny", "--print-config"]),
     # After a valid config, the checkpoint's path: no model there is answered as quickly.
     "serve": (["--checkpoint", "/nonexistent/run"], "no config.json", ["--checkpoint", "x", "--print-config"]),
 }

@@ -23,9 +23,8 @@ from train.config import load_config
 from train.launch import run_training
 from train.schema import ConfigError
 from tune.__main__ import main as tune_main
-from tune.config import SWEEP_DIR, load_sweep_config, sweep_config_from_dict
+from tune.config import SWEEP_DIR, SWEEP_FILE, load_sweep_config, sweep_config_from_dict
 from tune.sweep import (
-    SWEEP_FILE,
     TRIALS_FILE,
     SweepResult,
     _nothing_to_resume,
@@ -98,6 +97,17 @@ def test_cli_rejects_a_bad_sweep_file_before_starting_ray(tmp_path, capsys):
     assert tune_main(["--config", "tiny", "--set", "num_trials=0"]) == 2
     assert "num_trials" in capsys.readouterr().err
     assert tune_main(["--resume", str(tmp_path)]) == 2
+
+
+@pytest.mark.unit
+def test_resume_runs_on_the_settings_the_sweep_started_with(tmp_path, capsys):
+    (tmp_path / SWEEP_FILE).write_text(yaml.safe_dump(load_sweep_config("tiny", ["num_trials=3"]).to_dict()))
+    assert tune_main(["--resume", str(tmp_path), "--print-config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["num_trials"] == 3
+    with pytest.raises(SystemExit) as refused:  # the saved settings are what the resumed searcher has
+        tune_main(["--resume", str(tmp_path), "--set", "num_trials=5"])
+    assert refused.value.code == 2
+    assert "--set: a resumed sweep keeps the settings it started with" in capsys.readouterr().err
 
 
 @pytest.mark.unit

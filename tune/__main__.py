@@ -3,7 +3,7 @@
 import sys
 
 from train.cli import config_errors_exit_2, config_parser, print_config
-from tune.config import SweepConfig, load_sweep_config, sweep_names
+from tune.config import SweepConfig, load_sweep_config, saved_sweep_config, sweep_names
 
 
 @config_errors_exit_2
@@ -18,7 +18,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if bool(args.config) == bool(args.resume):
         parser.error("give one of --config and --resume")
-    sweep = load_sweep_config(args.config, args.set) if args.config else None
+    if args.resume and args.set:  # Tune resumes the searcher and the trials as they were
+        parser.error("--set: a resumed sweep keeps the settings it started with (to change them: --config, a new name)")
+    sweep = load_sweep_config(args.config, args.set) if args.config else saved_sweep_config(args.resume)
     if args.print_config:
         print_config(sweep)
         return 0

@@ -21,10 +21,12 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from train import storage
 from train.config import TrainConfig, load_config
 from train.schema import ConfigError, Name, Section, find_config_file, parse, read_tree, shipped_names
 
 SWEEP_DIR = Path(__file__).with_name("sweeps")  # package data, like train/recipes/
+SWEEP_FILE = "sweep.yaml"  # in a sweep's directory: the settings it started with
 KINDS = ("loguniform", "uniform", "int", "choice")
 MAX_COMBINATIONS_CHECKED = 512
 
@@ -195,3 +197,15 @@ def resolve_sweep(sweep: str) -> str:
 
 def load_sweep_config(sweep: str, overrides: list[str] = ()) -> SweepConfig:
     return sweep_config_from_dict(read_tree(resolve_sweep(sweep), overrides, "sweep config"))
+
+
+def saved_sweep_config(path: str) -> SweepConfig:
+    """The settings the sweep in directory ``path`` started with (its sweep.yaml): what ``--resume`` runs on."""
+    saved = storage.join(path, SWEEP_FILE)
+    try:
+        found = storage.exists(saved)
+    except OSError as exc:  # storage that cannot be reached
+        raise ConfigError(f"--resume: cannot read {path}: {str(exc).splitlines()[0]}") from None
+    if not found:
+        raise ConfigError(f"--resume: {path} holds no {SWEEP_FILE}; is it a sweep directory?")
+    return sweep_config_from_dict(read_tree(saved, [], "sweep config"))

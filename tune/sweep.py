@@ -32,9 +32,9 @@ from train import checkpoint, storage
 from train.data import dataset_path
 from train.launch import ensure_dataset, init_ray, resources_offered
 from train.preflight import check_before_ray
-from train.schema import ConfigError, replace
+from train.schema import replace
 from tune.asha import AshaRungs
-from tune.config import SweepConfig, sweep_config_from_dict
+from tune.config import SWEEP_FILE, SweepConfig, saved_sweep_config, sweep_config_from_dict
 from tune.plots import save_plots
 from tune.progress import NotebookProgress, in_notebook
 from tune.search import ExploringTPESampler, StepAwareOptunaSearch
@@ -42,7 +42,6 @@ from tune.trial import record_ended, run_trial, sweep_dir, trial_config, trials_
 
 logger = logging.getLogger(__name__)
 
-SWEEP_FILE = "sweep.yaml"
 TRIALS_FILE = "trials.csv"  # written once a sweep has finished (``summarize``)
 TRIAL_PROCESSES = {"ImplicitFunc", "RayTrainWorker"}  # Tune's function trials and their Ray Train workers
 
@@ -257,11 +256,7 @@ def _callbacks(sweep: SweepConfig, scheduler: ASHAScheduler | FIFOScheduler) -> 
 
 def resume_sweep(path: str) -> SweepResult:
     """Finish an interrupted sweep: finished trials are kept, unfinished ones resume from their checkpoints."""
-    try:
-        values = yaml.safe_load(storage.read_bytes(storage.join(path, SWEEP_FILE)))
-    except OSError:
-        raise ConfigError(f"--resume: {path} holds no {SWEEP_FILE}; is it a sweep directory?") from None
-    sweep = sweep_config_from_dict(values)
+    sweep = saved_sweep_config(path)
     if _nothing_to_resume(path):
         return _summary_from_files(sweep, path)
     trainable, data_path = _trainable(sweep)
