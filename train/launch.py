@@ -30,7 +30,7 @@ from train.process_group import free_port, own_state_api_env
 from train.run_layout import export_uri
 from train.scaling_policy import ElasticTorchTrainer
 from train.schema import replace
-from train.timeline import TIMELINE, TIMELINE_PREFIX, RunTimeline
+from train.timeline import TIMELINE, TIMELINE_PREFIX, RunTimeline, state_from_json, summarize
 
 ELASTIC_SUMMARY = "elastic_summary.json"
 
@@ -290,7 +290,10 @@ def _already_trained(cfg: TrainConfig) -> RunSummary | None:
     evaluation = final_evaluation(run)
     if evaluation is None or evaluation["step"] != latest["step"]:
         return None
-    elastic = storage.read_json_if_exists(storage.join(run, ELASTIC_SUMMARY)) or {}
+    elastic = storage.read_json_if_exists(storage.join(run, ELASTIC_SUMMARY))
+    if elastic is None:  # its driver stopped before it wrote the record: made again from the events it saved
+        saved = storage.read_json_if_exists(storage.join(run, TIMELINE))
+        elastic = summarize(state_from_json(saved), cfg.cost.price_per_hour, cfg.cost.on_demand_type) if saved else {}
     return _summary(run, latest, read_metrics(run), elastic)
 
 
