@@ -6,11 +6,15 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
+from train import storage
+from train.launch import run_training
 from train.lease import LEASE
 from train.process_group import free_port
+from train.timeline import TIMELINE
 
 # Asks the state API from a process of the private Ray, as Ray Train's placement-group cleaner does for a run.
 FIND_ITSELF = """
@@ -80,3 +84,37 @@ def test_python_m_train_stopped_while_it_prepares_its_dataset_stops_at_once_and_
     assert process.returncode == 130 and "\ninterrupted\n" in "".join(output), "".join(output)
     assert list(runs.glob("datasets/*")) == []  # nothing half-prepared
     assert not (runs / "tiny" / LEASE).exists()  # released
+
+
+@pytest.mark.cluster
+def test_a_run_stopped_mid_training_resumes_as_a_new_segment_of_its_record(tiny_config):
+    """SIGTERM (``ray job stop``) while training: the command says it was interrupted, exit 130 (Ray's abort ended
+    it with Ray's exit code 1), and the driver that resumes the run later neither counts a restart nor the time the
+    run was stopped (before, a stopped driver was taken for one that died, its downtime for seconds lost)."""
+    cfg = tiny_config("run.name=stopped", "optim.max_steps=60", "run.log_every=5", "checkpoint.every_steps=10")
+    overrides = [f"{key}={value}" for key, value in (
+        ("data.path", cfg.data.path), ("run.storage_path", cfg.run.storage_path), ("run.name", "stopped"),
+        ("optim.max_steps", 60), ("run.log_every", 5), ("checkpoint.every_steps", 10),
+    )]  # fmt: skip
+    command = [sys.executable, "-m", "train", *(arg for o in overrides for arg in ("--set", o))]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # the session Ray
+    output = []
+    try:
+        for line in process.stdout:
+            output.append(line)
+            if "step 25/60" in line:
+                process.send_signal(signal.SIGTERM)
+                break
+        output.append(process.communicate(timeout=120)[0])
+    finally:
+        process.kill()
+    assert process.returncode == 130 and "\ninterrupted\n" in "".join(output), "".join(output)[-3000:]
+    time.sleep(5)  # the run stopped: not its time
+
+    summary = run_training(cfg)
+    elastic = summary.elastic
+    assert summary.steps == 60 and elastic["restarts"] == 0 and elastic["resizes"] == []
+    first, resumed = (segment["from_step"] for segment in elastic["world_size_timeline"])
+    assert first == 0 and 20 <= resumed < 60 and resumed % 10 == 0  # a checkpoint from when it was stopped
+    attempts = storage.read_json(storage.join(summary.run_dir, TIMELINE))["attempts"]
+    assert elastic["wall_s"] == pytest.approx(sum(a["end"] - a["start"] for a in attempts), abs=0.01)

@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     except DivergedError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM before Ray Train trained (then it ends the run gracefully)
+    # Ctrl-C or SIGTERM: before Ray Train trains, or its graceful abort of the run, which ends in Ray's SystemExit.
+    except (KeyboardInterrupt, SystemExit):
         print("interrupted", file=sys.stderr)
         return 130
     elastic = summary.elastic

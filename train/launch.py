@@ -1,5 +1,6 @@
 """Driver side of a training run: Ray, the dataset, the TorchTrainer, and the run summary."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -267,7 +268,14 @@ def _train_holding_lease(cfg: TrainConfig, stop_on_sigterm: bool) -> RunSummary:
         storage.read_json_if_exists(storage.join(run, TIMELINE)),  # an earlier driver's, continued
         cfg.run.side_files_upload_s,
     )
-    build_trainer(cfg, data_path, manifest, timeline_name).fit()
+    try:
+        build_trainer(cfg, data_path, manifest, timeline_name).fit()
+    except BaseException:
+        # Stopped (Ctrl-C, `ray job stop`) or failed: this driver's part of the run ends here, and is not lost:
+        # a driver that resumes the run adds a segment to its record, the time between not counted.
+        with contextlib.suppress(Exception):  # a Ray going down with it: the error in flight is the one to see
+            ray.get(timeline.finished.remote(), timeout=10)
+        raise
     ray.get(timeline.finished.remote())
     elastic = ray.get(timeline.summary.remote())
     ray.kill(timeline)

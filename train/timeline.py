@@ -200,6 +200,7 @@ class Timeline:
         self._save()
 
     def finished(self) -> None:
+        """This driver's part of the run ended (trained to the end, stopped or failed), not lost with its driver."""
         self.state.finished = time.time()
         if self.state.attempts:
             self.state.attempts[-1].end = self.state.finished
