@@ -254,9 +254,10 @@ def _callbacks(sweep: SweepConfig, scheduler: ASHAScheduler | FIFOScheduler) -> 
     return progress + rungs + ([] if sweep.keep_trial_checkpoints else [DropEndedTrialCheckpoints(sweep)])
 
 
-def resume_sweep(path: str) -> SweepResult:
-    """Finish an interrupted sweep: finished trials are kept, unfinished ones resume from their checkpoints."""
-    sweep = saved_sweep_config(path)
+def resume_sweep(path: str, sweep: SweepConfig | None = None) -> SweepResult:
+    """Finish an interrupted sweep: finished trials are kept, unfinished ones resume from their checkpoints.
+    ``sweep``: its saved settings (``saved_sweep_config``), where the caller has read them already."""
+    sweep = sweep or saved_sweep_config(path)
     if _nothing_to_resume(path):
         return _summary_from_files(sweep, path)
     trainable, data_path = _trainable(sweep)
