@@ -3,6 +3,7 @@ and its estimate against real engines."""
 
 import pytest
 import torch
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
 from train.batching import grad_accum_steps
 from train.config import load_config
@@ -18,7 +19,7 @@ from train.memory import (
     value_bytes,
 )
 from train.model import GPT
-from train.schema import ConfigError
+from train.schema import ConfigError, replace
 
 GIB = 2**30
 
@@ -118,10 +119,58 @@ def test_the_activation_estimate_bounds_what_autograd_saves(precision, dtype):
     assert saved <= activation_bytes(cfg, 2) <= 1.10 * saved
 
 
+def _activations_held_at_peak(cfg, micro_batch: int, dtype: torch.dtype) -> int:
+    """The activation bytes a forward and backward of one micro-batch hold at their peak (weights, gradients and
+    the backward's temporaries not counted), from torch's memory tracker."""
+    torch.manual_seed(0)
+    model = GPT(cfg.model, cfg.deepspeed.activation_checkpointing).to(dtype)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # held from the start, as a training step's are: the peak is the activations'
+    tokens = torch.randint(0, cfg.model.vocab_size, (micro_batch, cfg.model.seq_len + 1))
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        _, loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")][_MemRefType.ACT]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("precision,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_activation_checkpointing_holds_a_block_input_per_layer_and_the_estimate_bounds_it(precision, dtype):
+    """The small shape's width, 4 layers of 256 tokens: recomputing each block keeps under a third of the
+    activations, which the estimate bounds (it counts the recomputed block's activations whole)."""
+    shape = ["model.n_layer=4", "model.seq_len=256", f"deepspeed.precision={precision}"]
+    plain, checkpointed = (
+        load_config("small", [*shape, f"deepspeed.activation_checkpointing={on}"]) for on in ("false", "true")
+    )
+    held = _activations_held_at_peak(checkpointed, 2, dtype)
+    assert held < _activations_held_at_peak(plain, 2, dtype) / 3
+    assert held <= activation_bytes(checkpointed, 2) <= 1.25 * held
+    # What a layer more costs: its block's input alone.
+    deeper = replace(checkpointed, model=replace(checkpointed.model, n_layer=8))
+    per_layer = value_bytes(checkpointed) * 2 * checkpointed.model.seq_len * checkpointed.model.d_model
+    assert _activations_held_at_peak(deeper, 2, dtype) - held == pytest.approx(4 * per_layer, rel=0.05)
+
+
+@pytest.mark.unit
+def test_activation_checkpointing_lets_auto_take_a_larger_micro_batch_and_says_so():
+    capacity = 24 * GIB  # an A10G, the cheap spot GPU
+    plain = plan_memory(load_config("medium"), capacity)
+    checkpointed = plan_memory(load_config("medium", ["deepspeed.activation_checkpointing=true"]), capacity)
+    assert checkpointed.micro_batch_size > plain.micro_batch_size
+    assert checkpointed.stage == plain.stage
+    assert "activations (checkpointed)" in checkpointed.describe() and "checkpointed" not in plain.describe()
+
+
 @pytest.mark.unit
 def test_a_model_that_fits_nowhere_is_a_config_error_naming_what_to_change():
-    with pytest.raises(ConfigError, match="even stage 3 at micro-batch 4 needs .* lower optim.micro_batch_size"):
+    needs = "even stage 3 at micro-batch 4 needs .* lower optim.micro_batch_size, .* deepspeed.activation_checkpointing"
+    with pytest.raises(ConfigError, match=needs):
         plan_memory(_medium(), 2 * GIB)
+    with pytest.raises(ConfigError) as refused:
+        plan_memory(_medium("deepspeed.activation_checkpointing=true"), GIB)
+    assert "activation_checkpointing" not in str(refused.value)  # already on: not offered again
 
 
 @pytest.mark.cluster

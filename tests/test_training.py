@@ -45,6 +45,7 @@ def test_zero_stages_1_2_3_learn_the_same_thing(tiny_config):
             "run.eval_every=20",
             "run.log_every=5",
             *(["run.profile_steps=[3,4]"] if stage == 2 else []),
+            *(["deepspeed.activation_checkpointing=true"] if stage == 3 else []),  # recomputing blocks, on 2 workers
         )
         summary = run_training(cfg)
         assert summary.steps == 20
@@ -56,7 +57,7 @@ def test_zero_stages_1_2_3_learn_the_same_thing(tiny_config):
         trace = json.loads(storage.read_bytes(storage.join(run_uri(cfg_of[2]), "profile", f"steps3-4-rank{rank}.json")))
         phases = [event["name"] for event in trace["traceEvents"] if event.get("cat") == "user_annotation"]
         assert phases.count("forward") == phases.count("backward") == phases.count("optimizer_step") == 2
-    # ZeRO partitions state; it must not change the math.
+    # ZeRO partitions state, and the ZeRO-3 run recomputes its blocks' activations; neither may change the math.
     for step in (5, 10, 15, 20):
         assert losses[1][step] == pytest.approx(losses[2][step], abs=1e-4)
         assert losses[1][step] == pytest.approx(losses[3][step], abs=1e-4)

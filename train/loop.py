@@ -221,7 +221,7 @@ class Trainer:
         self.cfg = cfg = self._with_memory_plan(latest)
         mark = time.time()
         torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
-        model = GPT(cfg.model)
+        model = GPT(cfg.model, cfg.deepspeed.activation_checkpointing)
         if cfg.model.init_from and latest is None:
             load_weights(model, cfg.model.init_from)
         self.exempt_norms_and_biases = checkpoint.exempts_norms_and_biases(latest)

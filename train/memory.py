@@ -13,9 +13,10 @@ the gradient bucket that ZeRO reduces from (``reduce_bucket_size``, also set in 
 
 Activations per micro-batch follow Korthikanti et al. (2022, "Reducing Activation Recomputation")
 with fused attention (no seq x seq scores): about 17 values of the residual width per token per
-layer, plus the logits and their float32 loss and gradient. For the small shape that is 3-4% above
-what autograd really saves for the backward (tests/test_memory.py); the gradients in flight during
-the backward are left to the headroom.
+layer, plus the logits and their float32 loss and gradient. With ``deepspeed.activation_checkpointing`` a
+block keeps only its input (one value per token per layer), and the backward holds one block's activations
+again while it recomputes them. Both bound what the model's forward and backward really hold for the small
+shape (tests/test_memory.py); the gradients in flight during the backward are left to the headroom.
 """
 
 import json
@@ -55,14 +56,16 @@ class MemoryPlan:
     model_state_bytes: int
     activation_bytes: int
     capacity_bytes: int
+    activation_checkpointing: bool
 
     def describe(self) -> str:
         gib = 2**30
         need = (self.model_state_bytes + self.activation_bytes) / gib
+        activations = "activations (checkpointed)" if self.activation_checkpointing else "activations"
         return (
             f"memory plan: ZeRO stage {self.stage}, micro-batch {self.micro_batch_size}; a worker at the run's "
             f"smallest size ({self.world_size} workers) needs {self.model_state_bytes / gib:.2f} GiB of model states "
-            f"+ {self.activation_bytes / gib:.2f} GiB of activations = {need:.2f} GiB, within {HEADROOM:.0%} of "
+            f"+ {self.activation_bytes / gib:.2f} GiB of {activations} = {need:.2f} GiB, within {HEADROOM:.0%} of "
             f"{self.capacity_bytes / gib:.1f} GiB"
         )
 
@@ -94,7 +97,11 @@ def activation_bytes(cfg: TrainConfig, micro_batch: int) -> int:
     """Peak bytes of the activations and logits of a micro-batch of ``micro_batch`` sequences through the backward."""
     m, value = cfg.model, value_bytes(cfg)
     tokens = micro_batch * m.seq_len
-    layers = 17 * value * tokens * m.d_model * m.n_layer
+    per_layer = value * tokens * m.d_model
+    if cfg.deepspeed.activation_checkpointing:  # every block's input, and one block's activations recomputed
+        layers = per_layer * (m.n_layer + 17)
+    else:
+        layers = 17 * per_layer * m.n_layer
     logits = tokens * m.vocab_size * (2 * value + 8)  # logits, their gradient, the float32 loss input and its grad
     return layers + logits
 
@@ -130,13 +137,16 @@ def plan_memory(cfg: TrainConfig, capacity_bytes: int) -> MemoryPlan:
         states = model_state_bytes(cfg, stage, world)
         fitting = [m for m in micro_batches if states + activation_bytes(cfg, m) <= budget]
         if fitting:
-            return MemoryPlan(stage, fitting[-1], world, states, activation_bytes(cfg, fitting[-1]), capacity_bytes)
+            activations = activation_bytes(cfg, fitting[-1])
+            checkpointed = cfg.deepspeed.activation_checkpointing
+            return MemoryPlan(stage, fitting[-1], world, states, activations, capacity_bytes, checkpointed)
     needed = (model_state_bytes(cfg, stages[-1], world) + activation_bytes(cfg, micro_batches[0])) / 2**30
+    recompute = "" if cfg.deepspeed.activation_checkpointing else "set deepspeed.activation_checkpointing, "
     raise ConfigError(
         f"deepspeed.zero_stage {cfg.deepspeed.zero_stage}, optim.micro_batch_size {cfg.optim.micro_batch_size}: "
         f"even stage {stages[-1]} at micro-batch {micro_batches[0]} needs {needed:.2f} GiB per worker at {world} "
         f"workers, more than {HEADROOM:.0%} of the {capacity_bytes / 2**30:.1f} GiB a worker has; lower "
-        "optim.micro_batch_size, raise the smallest scaling.num_workers, or set zero_stage 3 with "
+        f"optim.micro_batch_size, raise the smallest scaling.num_workers, {recompute}or set zero_stage 3 with "
         "deepspeed.offload_optimizer"
     )
 

@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from train.model_config import ModelConfig
 
@@ -72,9 +73,10 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, checkpoint_activations: bool = False):
         super().__init__()
         self.cfg = cfg
+        self.checkpoint_activations = checkpoint_activations  # deepspeed.activation_checkpointing, in training
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
@@ -108,7 +110,11 @@ class GPT(nn.Module):
             positions = torch.arange(seq, device=tokens.device)
         x = self.embed(tokens, positions)
         for block, cache in zip(self.blocks, caches or [None] * len(self.blocks), strict=True):
-            x = block(x, cache)
+            if self.checkpoint_activations and torch.is_grad_enabled():
+                # Autograd keeps the block's input alone; the backward runs the block again for the rest.
+                x = checkpoint(block, x, cache, use_reentrant=False)
+            else:
+                x = block(x, cache)
         return self.ln_out(x)
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
