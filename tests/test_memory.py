@@ -3,7 +3,6 @@ and its estimate against real engines."""
 
 import pytest
 import torch
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
 from train.batching import grad_accum_steps
 from train.config import load_config
@@ -13,9 +12,11 @@ from train.memory import (
     MAX_MICRO_BATCH_TOKENS,
     activation_bytes,
     measure_on_workers,
+    measured_activation_bytes,
     micro_batch_candidates,
     model_state_bytes,
     plan_memory,
+    training_dtype,
     value_bytes,
 )
 from train.model import GPT
@@ -92,10 +93,10 @@ def test_auto_micro_batch_splits_the_batch_at_every_size_and_is_the_largest_that
     assert max(micro_batch_candidates(load_config("small", ["scaling.num_workers=4", "run.eval_samples=40"]))) == 10
 
 
-def _bytes_saved_for_backward(cfg, micro_batch: int, dtype: torch.dtype) -> int:
+def _bytes_saved_for_backward(cfg, micro_batch: int) -> int:
     """What autograd keeps from the forward pass of one micro-batch for the backward (weights excluded)."""
     torch.manual_seed(0)
-    model = GPT(cfg.model).to(dtype)
+    model = GPT(cfg.model).to(training_dtype(cfg))
     tokens = torch.randint(0, cfg.model.vocab_size, (micro_batch, cfg.model.seq_len + 1))
     saved = {}
 
@@ -111,46 +112,30 @@ def _bytes_saved_for_backward(cfg, micro_batch: int, dtype: torch.dtype) -> int:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("precision,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
-def test_the_activation_estimate_bounds_what_autograd_saves(precision, dtype):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_activation_estimate_bounds_what_autograd_saves(precision):
     """The estimate that sizes an auto micro-batch, against the model's real forward (2 of the small shape's layers)."""
     cfg = load_config("small", ["model.n_layer=2", f"deepspeed.precision={precision}"])
-    saved = _bytes_saved_for_backward(cfg, 2, dtype)
+    saved = _bytes_saved_for_backward(cfg, 2)
     assert saved <= activation_bytes(cfg, 2) <= 1.10 * saved
 
 
-def _activations_held_at_peak(cfg, micro_batch: int, dtype: torch.dtype) -> int:
-    """The activation bytes a forward and backward of one micro-batch hold at their peak (weights, gradients and
-    the backward's temporaries not counted), from torch's memory tracker."""
-    torch.manual_seed(0)
-    model = GPT(cfg.model, cfg.deepspeed.activation_checkpointing).to(dtype)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)  # held from the start, as a training step's are: the peak is the activations'
-    tokens = torch.randint(0, cfg.model.vocab_size, (micro_batch, cfg.model.seq_len + 1))
-    tracker = MemTracker()
-    tracker.track_external(model)
-    with tracker:
-        _, loss = model(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
-    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")][_MemRefType.ACT]
-
-
 @pytest.mark.unit
-@pytest.mark.parametrize("precision,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
-def test_activation_checkpointing_holds_a_block_input_per_layer_and_the_estimate_bounds_it(precision, dtype):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_activation_checkpointing_holds_a_block_input_per_layer_and_the_estimate_bounds_it(precision):
     """The small shape's width, 4 layers of 256 tokens: recomputing each block keeps under a third of the
     activations, which the estimate bounds (it counts the recomputed block's activations whole)."""
     shape = ["model.n_layer=4", "model.seq_len=256", f"deepspeed.precision={precision}"]
     plain, checkpointed = (
         load_config("small", [*shape, f"deepspeed.activation_checkpointing={on}"]) for on in ("false", "true")
     )
-    held = _activations_held_at_peak(checkpointed, 2, dtype)
-    assert held < _activations_held_at_peak(plain, 2, dtype) / 3
+    held = measured_activation_bytes(checkpointed, 2)
+    assert held < measured_activation_bytes(plain, 2) / 3
     assert held <= activation_bytes(checkpointed, 2) <= 1.25 * held
     # What a layer more costs: its block's input alone.
     deeper = replace(checkpointed, model=replace(checkpointed.model, n_layer=8))
     per_layer = value_bytes(checkpointed) * 2 * checkpointed.model.seq_len * checkpointed.model.d_model
-    assert _activations_held_at_peak(deeper, 2, dtype) - held == pytest.approx(4 * per_layer, rel=0.05)
+    assert measured_activation_bytes(deeper, 2) - held == pytest.approx(4 * per_layer, rel=0.05)
 
 
 @pytest.mark.unit

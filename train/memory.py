@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from ray.train import ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
 from train.batching import failing_world_sizes
 from train.config import TrainConfig, config_from_dict
@@ -70,9 +71,14 @@ class MemoryPlan:
         )
 
 
+def training_dtype(cfg: TrainConfig) -> torch.dtype:
+    """The dtype of the weights, gradients and activations at the run's training precision."""
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.deepspeed.precision]
+
+
 def value_bytes(cfg: TrainConfig) -> int:
     """Bytes of one weight, gradient or activation value at the run's training precision."""
-    return 4 if cfg.deepspeed.precision == "fp32" else 2
+    return training_dtype(cfg).itemsize
 
 
 def model_state_bytes(cfg: TrainConfig, stage: int, world_size: int) -> int:
@@ -174,6 +180,23 @@ def measured_model_state_bytes(engine, tokens: torch.Tensor) -> int:
                 held = _held_tensor_bytes(list(engine.module.parameters()), engine.optimizer)
             engine.step()  # DeepSpeed's step: every micro-step, an optimizer step at the accumulation boundary
     return held
+
+
+def measured_activation_bytes(cfg: TrainConfig, micro_batch: int) -> int:
+    """Activation bytes one forward and backward of ``micro_batch`` random sequences hold at their peak on the CPU, in
+    the run's precision and with its activation checkpointing, as torch's memory tracker counts them (weights,
+    gradients and the backward's temporaries not counted)."""
+    torch.manual_seed(0)
+    model = GPT(cfg.model, cfg.deepspeed.activation_checkpointing).to(training_dtype(cfg))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # held from the start, as a training step's are: the peak is the activations'
+    tokens = torch.randint(0, cfg.model.vocab_size, (micro_batch, cfg.model.seq_len + 1))
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        _, loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")][_MemRefType.ACT]
 
 
 def measure_on_workers(configs: list[TrainConfig], workers: int) -> list[int]:
