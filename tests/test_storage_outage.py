@@ -14,11 +14,11 @@ from tests.conftest import training_worker_pids
 from train import checkpoint, storage
 from train.config import load_config
 from train.data import load_manifest
-from train.launch import ELASTIC_SUMMARY, loop_args, run_training, run_uri
+from train.launch import ELASTIC_SUMMARY, loop_args, record_trained_run, run_training, run_uri
 from train.lease import LEASE
 from train.loop import train_loop
 from train.metrics import read_metrics
-from train.timeline import progress_of
+from train.timeline import TIMELINE, RunTimeline, progress_of
 
 pytestmark = pytest.mark.cluster
 
@@ -133,3 +133,23 @@ def test_a_run_restarted_while_its_storage_is_down_waits_for_it(ray_session, s3_
     assert len(result[0].elastic["world_size_timeline"]) == 2  # one restart, the killed worker's
     assert result[0].elastic["resizes"][0]["storage_wait_s"] > 5  # it started in the outage, and waited
     assert checkpoint.latest_complete(run)["step"] == 60
+
+
+def test_a_trained_run_whose_storage_is_down_at_its_end_saves_its_record_once_storage_is_back(
+    ray_session, s3_server, s3_bucket
+):
+    """The driver's last writes, after its workers trained and exported the run, wait out an outage longer than
+    pyarrow's own retries (~12 s a write here, of which the driver makes two); before, the command failed at the end
+    of a run that had trained to the end, and the record of its last segment was not saved."""
+    cfg = _config("data-unused", s3_bucket, "run.name=ends-in-outage", "run.storage_wait_s=120")
+    run = run_uri(cfg)
+    timeline = RunTimeline.remote(cfg.cost.price_per_hour, cfg.cost.on_demand_type, run, None, 600)
+    ended = []
+    with s3_server.outage():
+        driver = threading.Thread(target=lambda: ended.append(record_trained_run(cfg, timeline)))
+        driver.start()
+        time.sleep(30)
+        assert driver.is_alive()  # waiting, not failed
+    driver.join(timeout=60)
+    assert ended and ended[0].steps == 0  # nothing was trained in this run dir: what it says, read once storage is back
+    assert storage.exists(f"{run}/{ELASTIC_SUMMARY}") and storage.exists(f"{run}/{TIMELINE}")

@@ -203,7 +203,8 @@ class RunConfig(Section):
     saves of the steps to timeline.json, the elastic record a resuming driver continues."""
     storage_wait_s: float = Field(300.0, ge=0.0)
     """How long a (re)starting worker waits for the run's storage and dataset to answer before its attempt fails:
-    a restart during a storage outage then costs the wait, not one of scaling.max_failures."""
+    a restart during a storage outage then costs the wait, not one of scaling.max_failures. The driver of a trained
+    run waits as long to save the run's record."""
     lease_stale_after_s: float = Field(300.0, ge=10.0)
     """A run is refused while another driver holds its lease (<run>/lease.json); a lease without
     heartbeat for this long, or held by a process of this host that has exited, is taken over."""

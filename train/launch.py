@@ -13,6 +13,7 @@ from typing import Any
 
 import ray
 from ray._private.ray_constants import DEFAULT_DASHBOARD_PORT
+from ray.actor import ActorHandle
 from ray.train import FailureConfig
 from ray.train import RunConfig as RayRunConfig
 from ray.train import ScalingConfig as RayScalingConfig
@@ -276,6 +277,17 @@ def _train_holding_lease(cfg: TrainConfig, stop_on_sigterm: bool) -> RunSummary:
         with contextlib.suppress(Exception):  # a Ray going down with it: the error in flight is the one to see
             ray.get(timeline.finished.remote(), timeout=10)
         raise
+    return record_trained_run(cfg, timeline)
+
+
+def record_trained_run(cfg: TrainConfig, timeline: ActorHandle) -> RunSummary:
+    """The driver's end of a run its workers trained and exported: the run's record saved, its summary read.
+
+    Storage that cannot be reached at this moment is waited for (``run.storage_wait_s``), as a restarting worker
+    waits: the run is done, and an outage now must not fail the command or leave its record unsaved.
+    """
+    run = run_uri(cfg)
+    storage.wait_until_reachable([run], cfg.run.storage_wait_s)
     ray.get(timeline.finished.remote())
     elastic = ray.get(timeline.summary.remote())
     ray.kill(timeline)
