@@ -13,17 +13,13 @@ import json
 import statistics
 import time
 
-import torch
-
 from train.config import load_config
-from train.memory import activation_bytes, measured_activation_bytes, training_dtype
+from train.memory import activation_bytes, measured_activation_bytes, model_and_batch
 from train.model import GPT
 
 
 def forward_backward_seconds(cfg, micro_batch: int) -> float:
-    torch.manual_seed(0)
-    model = GPT(cfg.model, cfg.deepspeed.activation_checkpointing).to(training_dtype(cfg))  # as DeepSpeed holds it
-    tokens = torch.randint(0, cfg.model.vocab_size, (micro_batch, cfg.model.seq_len + 1))
+    model, tokens = model_and_batch(cfg, micro_batch)
     start = time.perf_counter()
     _, loss = model(tokens[:, :-1], tokens[:, 1:])
     loss.backward()

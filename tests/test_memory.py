@@ -14,9 +14,9 @@ from train.memory import (
     measure_on_workers,
     measured_activation_bytes,
     micro_batch_candidates,
+    model_and_batch,
     model_state_bytes,
     plan_memory,
-    training_dtype,
     value_bytes,
 )
 from train.model import GPT
@@ -95,9 +95,7 @@ def test_auto_micro_batch_splits_the_batch_at_every_size_and_is_the_largest_that
 
 def _bytes_saved_for_backward(cfg, micro_batch: int) -> int:
     """What autograd keeps from the forward pass of one micro-batch for the backward (weights excluded)."""
-    torch.manual_seed(0)
-    model = GPT(cfg.model).to(training_dtype(cfg))
-    tokens = torch.randint(0, cfg.model.vocab_size, (micro_batch, cfg.model.seq_len + 1))
+    model, tokens = model_and_batch(cfg, micro_batch)
     saved = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:

@@ -182,15 +182,21 @@ def measured_model_state_bytes(engine, tokens: torch.Tensor) -> int:
     return held
 
 
+def model_and_batch(cfg: TrainConfig, micro_batch: int) -> tuple[GPT, torch.Tensor]:
+    """The run's model as a DeepSpeed engine holds it (its precision, its activation checkpointing), seeded, and
+    ``micro_batch`` random sequences of ``seq_len + 1`` tokens: what the measurements of its memory run."""
+    torch.manual_seed(0)
+    model = GPT(cfg.model, cfg.deepspeed.activation_checkpointing).to(training_dtype(cfg))
+    return model, torch.randint(0, cfg.model.vocab_size, (micro_batch, cfg.model.seq_len + 1))
+
+
 def measured_activation_bytes(cfg: TrainConfig, micro_batch: int) -> int:
     """Activation bytes one forward and backward of ``micro_batch`` random sequences hold at their peak on the CPU, in
     the run's precision and with its activation checkpointing, as torch's memory tracker counts them (weights,
     gradients and the backward's temporaries not counted)."""
-    torch.manual_seed(0)
-    model = GPT(cfg.model, cfg.deepspeed.activation_checkpointing).to(training_dtype(cfg))
+    model, tokens = model_and_batch(cfg, micro_batch)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)  # held from the start, as a training step's are: the peak is the activations'
-    tokens = torch.randint(0, cfg.model.vocab_size, (micro_batch, cfg.model.seq_len + 1))
     tracker = MemTracker()
     tracker.track_external(model)
     with tracker:
