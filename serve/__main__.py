@@ -17,6 +17,9 @@ from serve.config import ServeConfig, load_serve_config
 from train.cli import config_errors_exit_2, config_parser, print_config
 from train.schema import ConfigError
 
+# How long after a SIGTERM Ray's processes take to show that the same signal reached them (the dashboard's die first).
+SIGNAL_REACHES_RAY_S = 0.5
+
 
 def _port(text: str) -> int:
     if not text.isdigit() or not 0 < int(text) < 65536:
@@ -44,6 +47,23 @@ def check_can_listen(host: str, port: int, setting: str) -> None:
 
 def _interrupt(signum: int, frame) -> None:
     raise KeyboardInterrupt  # SIGTERM stops the server as Ctrl-C does, whatever SIGINT's disposition
+
+
+def shut_down_serve() -> None:
+    """Serve's graceful shutdown, unless the Ray this command started is going down too: a SIGTERM to the whole
+    process group (``kill -- -PGID``) or cgroup (systemd's stop) reaches Ray's own processes, and then Serve's
+    controller never confirms and the shutdown would wait out its 30 s timeout."""
+    import ray
+    from ray import serve
+
+    # What ray.init started here; a driver of a running cluster starts no processes: none of them dies.
+    node = ray._private.worker._global_node  # None through Ray Client (ray://)
+    deadline = time.monotonic() + SIGNAL_REACHES_RAY_S
+    while time.monotonic() < deadline:
+        if node is not None and not node.remaining_processes_alive():
+            return
+        time.sleep(0.05)
+    serve.shutdown()
 
 
 @config_errors_exit_2
@@ -110,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        serve.shutdown()
+        shut_down_serve()
     return 0
 
 

@@ -1,5 +1,6 @@
 """Real HTTP to real Ray Serve apps on 127.0.0.1: completions, streaming, batching, bad input, keys, overload."""
 
+import contextlib
 import json
 import math
 import os
@@ -227,7 +228,10 @@ def test_cli_rejects_a_bad_config_before_starting_ray(memorized_export, capsys):
 
 @pytest.mark.parametrize("ingress", ["proxy", "haproxy"])
 def test_python_m_serve_serves_the_openai_client(memorized_export, ingress):
-    """Behind Serve's proxy, and behind Ray's HAProxy, which then holds the port itself."""
+    """Behind Serve's proxy, and behind Ray's HAProxy, which then holds the port itself. Then a SIGTERM stops it
+    promptly: sent to the process (``kill``, ``docker stop``) behind the proxy, and to its whole process group,
+    Ray's processes included (``kill -- -PGID``, systemd's stop), behind HAProxy: Serve's graceful shutdown would
+    then wait out its 30 s timeout."""
     port = free_port()
     env = {**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="/tmp/rws-")}
     # HAProxy's stats and metrics ports are fixed unless set: free ones, so that nothing else on this machine matters.
@@ -235,7 +239,9 @@ def test_python_m_serve_serves_the_openai_client(memorized_export, ingress):
     env.pop("RAY_ADDRESS", None)
     command = [sys.executable, "-m", "serve", "--checkpoint", memorized_export, "--port", str(port)]
     command += ["--ingress", ingress]
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         deadline = time.time() + 180
         while time.time() < deadline:
@@ -254,11 +260,17 @@ def test_python_m_serve_serves_the_openai_client(memorized_export, ingress):
         names = {psutil.Process(pid).name() for pid in listening}
         assert ("haproxy" in names) == (ingress == "haproxy"), names
     finally:
-        process.send_signal(signal.SIGTERM)  # stops it as Ctrl-C does
+        stopping = time.monotonic()
+        if ingress == "proxy":
+            process.send_signal(signal.SIGTERM)  # stops it as Ctrl-C does
+        else:
+            os.killpg(process.pid, signal.SIGTERM)
         try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
+            returncode = process.wait(timeout=60)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)  # whatever it left
+    assert returncode == 0 and time.monotonic() - stopping < 25, (returncode, process.stdout.read()[-3000:])
 
 
 def test_python_m_serve_stopped_while_its_app_deploys_shuts_down_cleanly(memorized_export):
