@@ -20,17 +20,18 @@ import tempfile
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
-from deepspeed.checkpoint import ds_to_universal
 
 from train import storage
-from train.checkpoint_writer import BackgroundWriter
 from train.run_layout import CHECKPOINTS
 from train.tokenizer import BPETokenizer, save_tokenizer
+
+if TYPE_CHECKING:  # DeepSpeed loads where an engine is in hand: finding and reading checkpoints needs none of it
+    from train.checkpoint_writer import BackgroundWriter
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class PendingCheckpoint:
     step: int
     metadata: dict[str, Any]
     started: float
-    writer: BackgroundWriter | None  # None: the files were written before ``begin_save`` returned
+    writer: "BackgroundWriter | None"  # None: the files were written before ``begin_save`` returned
     device: torch.device
     error: BaseException | None = None  # this rank's failure outside the writer: it fails the checkpoint
 
@@ -130,6 +131,8 @@ def begin_save(engine, run_uri: str, step: int, metadata: dict[str, Any]) -> Pen
         # What a worker killed mid-upload left here; the run's previous checkpoint is written on every rank.
         shutil.rmtree(staging_dirs, ignore_errors=True)
     dist.barrier()
+    from train.checkpoint_writer import BackgroundWriter
+
     writer = engine.checkpoint_engine if isinstance(engine.checkpoint_engine, BackgroundWriter) else None
     staging = None
     if staging_dirs:
@@ -383,6 +386,8 @@ def universal_conversion(checkpoint: dict[str, Any], scratch: str) -> str:
 
 def _run_ds_to_universal(source: str, output: str, inject_missing_state: bool) -> None:
     """DeepSpeed's converter, in this process (a subprocess would spend seconds re-importing torch)."""
+    from deepspeed.checkpoint import ds_to_universal
+
     converter_args = argparse.Namespace(
         input_folder=source,
         output_folder=output,

@@ -7,9 +7,12 @@ the world size it was saved at, or else through DeepSpeed's universal conversion
 run's storage is only read). Its export is therefore the one the run writes when it ends at that step.
 """
 
+import os
 import sys
 import tempfile
 from typing import Any
+
+import torch
 
 from train import checkpoint, storage
 from train.cli import OneLineParser, config_errors_exit_2
@@ -61,7 +64,9 @@ def check_out(out: str) -> None:
 
 def export_checkpoint(ckpt: dict[str, Any], out: str) -> None:
     """Load ``ckpt`` into a one-process engine here and export its weights to ``out``."""
-    from deepspeed.accelerator import get_accelerator  # DeepSpeed and torch: after the arguments are checked
+    if not torch.cuda.is_available():  # else DeepSpeed looks for a GPU as it loads, and warns that it found none
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.accelerator import get_accelerator  # DeepSpeed: after the arguments are checked
 
     from train.ds_config import build_engine
     from train.model import GPT
