@@ -25,6 +25,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -232,7 +233,7 @@ def prepare(
             .map_batches(_split_documents, fn_kwargs={"val_fraction": val_fraction}, batch_format="numpy")
             .materialize()
         )
-        digests = sorted(bytes(d) for d in docs.select_columns(["digest"]).to_pandas()["digest"])
+        digests = sorted(_columns(docs, ["digest"])["digest"].to_pylist())
         chosen = make_tokenizer(tokenizer, vocab_size, docs)
         tokens = docs.map_batches(_tokenize, fn_kwargs={"tokenizer": chosen}, batch_format="numpy").materialize()
         # Locally the dataset is written to a sibling and renamed into place, so an interrupted or concurrent
@@ -272,6 +273,13 @@ def refuse_foreign(out: str) -> None:
         )
 
 
+def _columns(ds, names: list[str]) -> pa.Table:
+    """These columns of a Ray Dataset as one Arrow table here: its blocks as they are, without pandas."""
+    import ray
+
+    return pa.concat_tables(ray.get(ds.select_columns(names).to_arrow_refs()))
+
+
 def _write_dataset(out: str, tokens, tokenizer: BPETokenizer, seq_len: int, source: str) -> dict:
     """Shards of both splits and the tokenizer under ``out``; the manifest's counts (it is written by the caller)."""
     from ray.data.expressions import col
@@ -280,12 +288,12 @@ def _write_dataset(out: str, tokens, tokenizer: BPETokenizer, seq_len: int, sour
     out_fs, out_path = storage.resolve(out)
     save_tokenizer(tokenizer, out)
     # One row per document: summed here rather than by Ray Data's aggregations (a hash shuffle each, ~8 s).
-    counts = tokens.select_columns(["split", "num_tokens", "num_bytes"]).to_pandas()
+    counts = _columns(tokens, ["split", "num_tokens", "num_bytes"])
     manifest = {
         "source": source,
         "tokenizer": tokenizer.spec(),
         # End-of-text tokens included: what a loss per token is multiplied by for bits per byte.
-        "tokens_per_byte": int(counts["num_tokens"].sum()) / int(counts["num_bytes"].sum()),
+        "tokens_per_byte": pc.sum(counts["num_tokens"]).as_py() / pc.sum(counts["num_bytes"]).as_py(),
         "seq_len": seq_len,
     }
     for split in SPLITS:
@@ -293,7 +301,7 @@ def _write_dataset(out: str, tokens, tokenizer: BPETokenizer, seq_len: int, sour
         # Each group of documents is packed on its own (its last partial sequence dropped). The groups are fixed
         # by the documents alone, not by how Ray Data blocked them on this cluster, so the same corpus gives the
         # same sequences on any machine.
-        split_tokens = int(counts.loc[counts["split"] == split, "num_tokens"].sum())
+        split_tokens = pc.sum(counts.filter(pc.equal(counts["split"], split))["num_tokens"]).as_py() or 0
         groups = max(1, -(-split_tokens // TOKENS_PER_PACK))
         packed = documents.repartition(groups, shuffle=False).map_batches(
             _pack, fn_kwargs={"seq_len": seq_len}, batch_size=None, batch_format="numpy"
