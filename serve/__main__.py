@@ -49,20 +49,20 @@ def _interrupt(signum: int, frame) -> None:
     raise KeyboardInterrupt  # SIGTERM stops the server as Ctrl-C does, whatever SIGINT's disposition
 
 
-def shut_down_serve() -> None:
+def shut_down_serve(started_ray: bool) -> None:
     """Serve's graceful shutdown, unless the Ray this command started is going down too: a SIGTERM to the whole
     process group (``kill -- -PGID``) or cgroup (systemd's stop) reaches Ray's own processes, and then Serve's
     controller never confirms and the shutdown would wait out its 30 s timeout."""
     import ray
     from ray import serve
 
-    # What ray.init started here; a driver of a running cluster starts no processes: none of them dies.
-    node = ray._private.worker._global_node  # None through Ray Client (ray://)
-    deadline = time.monotonic() + SIGNAL_REACHES_RAY_S
-    while time.monotonic() < deadline:
-        if node is not None and not node.remaining_processes_alive():
-            return
-        time.sleep(0.05)
+    if started_ray:
+        node = ray._private.worker._global_node  # the processes ray.init started here
+        deadline = time.monotonic() + SIGNAL_REACHES_RAY_S
+        while time.monotonic() < deadline:
+            if not node.remaining_processes_alive():
+                return
+            time.sleep(0.05)
     serve.shutdown()
 
 
@@ -86,14 +86,15 @@ def main(argv: list[str] | None = None) -> int:
         "(local Ray only: a cluster sets it when it starts, see the README)",
     )
     args = parser.parse_args(argv)
-    if args.ingress == "haproxy" and os.environ.get("RAY_ADDRESS"):
+    started_ray = not os.environ.get("RAY_ADDRESS")  # else the command joins the cluster there
+    if args.ingress == "haproxy" and not started_ray:
         raise ConfigError("--ingress haproxy: a running Ray's ingress is set when it starts (unset RAY_ADDRESS)")
     overrides = args.set + ([f"checkpoint={args.checkpoint}"] if args.checkpoint else [])
     cfg = load_serve_config(args.config, overrides)
     if args.print_config:
         print_config(cfg)
         return 0
-    if not os.environ.get("RAY_ADDRESS"):  # a Ray started here, whose Serve listens on this machine
+    if started_ray:  # a Ray started here, whose Serve listens on this machine
         check_can_listen(args.host, args.port, "--port")
         if args.ingress == "haproxy":
             from serve.ingress import HAPROXY_PORTS
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        shut_down_serve()
+        shut_down_serve(started_ray)
     return 0
 
 
