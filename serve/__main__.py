@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         ports = ", ".join(os.environ.get(name, str(port)) for name, port in HAPROXY_PORTS.items())
         print(f"warning: HAProxy's stats and metrics listen on all interfaces (ports {ports})", file=sys.stderr)
     ray.init(address=os.environ.get("RAY_ADDRESS", "local"))
+    node_id = ray.get_runtime_context().get_node_id()  # a local Ray's one node, where HAProxy runs
     # After ray.init, which installs a SIGTERM handler of its own (a stack dump, exit 15), and before Serve starts:
     # /ready answers before serve.run returns, and a stop sent then must stop the server as cleanly as later.
     signal.signal(signal.SIGTERM, _interrupt)
@@ -132,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(3600)
     except KeyboardInterrupt:
         shut_down_serve(started_ray)
+        if args.ingress == "haproxy":
+            from serve.ingress import stop_haproxy_of
+
+            stop_haproxy_of(node_id)
     return 0
 
 

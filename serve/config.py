@@ -24,8 +24,8 @@ class ServeConfig(Section):
     """On a GPU, replay each decode shape and each small prefill shape as a captured CUDA graph; false runs
     them eagerly."""
     compile: bool | Literal["auto"] = "auto"
-    """torch.compile the decode step when the replica starts (seconds); auto = on a GPU. On a CPU it gave
-    1.4-2.0x the tokens/s at batch 1 and 0.9-1.3x at 64 (BENCHMARKS.md, P7), for a slower start."""
+    """torch.compile the decode step when the replica starts (seconds); auto = on a GPU (1.31-1.35x the
+    tokens/s on an H200). On a CPU it gains nothing: 0.99x at batch 1, 0.93-1.19x at 64 (BENCHMARKS.md, P7)."""
     batching: Literal["continuous", "serve_batch", "none"] = "continuous"
     """Continuous batching; serve_batch (Ray Serve's @serve.batch) and none are for comparison."""
     max_batch_size: int = Field(32, ge=1)

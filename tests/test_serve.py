@@ -226,12 +226,15 @@ def test_cli_rejects_a_bad_config_before_starting_ray(memorized_export, capsys):
     assert "max_batch_size" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("ingress", ["proxy", "haproxy"])
-def test_python_m_serve_serves_the_openai_client(memorized_export, ingress):
+@pytest.mark.parametrize(
+    ("ingress", "stopped_by"), [("proxy", "process"), ("haproxy", "process"), ("haproxy", "group")]
+)
+def test_python_m_serve_serves_the_openai_client(memorized_export, ingress, stopped_by):
     """Behind Serve's proxy, and behind Ray's HAProxy, which then holds the port itself. Then a SIGTERM stops it
-    promptly: sent to the process (``kill``, ``docker stop``) behind the proxy, and to its whole process group,
-    Ray's processes included (``kill -- -PGID``, systemd's stop), behind HAProxy: Serve's graceful shutdown would
-    then wait out its 30 s timeout."""
+    promptly and leaves nothing listening on the port: sent to the process (``kill``, ``docker stop``), or to its
+    whole process group, Ray's processes included (``kill -- -PGID``), behind HAProxy. Before, Serve's graceful
+    shutdown waited out its 30 s timeout for either behind HAProxy (its replica stayed up 30 s for load balancers
+    to deregister it), and the group's signal left HAProxy running, holding the port."""
     port = free_port()
     env = {**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="/tmp/rws-")}
     # HAProxy's stats and metrics ports are fixed unless set: free ones, so that nothing else on this machine matters.
@@ -261,7 +264,7 @@ def test_python_m_serve_serves_the_openai_client(memorized_export, ingress):
         assert ("haproxy" in names) == (ingress == "haproxy"), names
     finally:
         stopping = time.monotonic()
-        if ingress == "proxy":
+        if stopped_by == "process":
             process.send_signal(signal.SIGTERM)  # stops it as Ctrl-C does
         else:
             os.killpg(process.pid, signal.SIGTERM)
@@ -269,8 +272,9 @@ def test_python_m_serve_serves_the_openai_client(memorized_export, ingress):
             returncode = process.wait(timeout=60)
         finally:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)  # whatever it left
+                os.killpg(process.pid, signal.SIGKILL)  # whatever it left in its group
     assert returncode == 0 and time.monotonic() - stopping < 25, (returncode, process.stdout.read()[-3000:])
+    check_can_listen("127.0.0.1", port, "--port")
 
 
 def test_python_m_serve_stopped_while_its_app_deploys_shuts_down_cleanly(memorized_export):
