@@ -8,6 +8,7 @@ its ``ray start`` commands. That mode turns the replicas' own log files off; the
 (the worker's .err file), so that a replica's errors stay visible.
 """
 
+import contextlib
 from pathlib import Path
 
 import psutil
@@ -37,7 +38,9 @@ def stop_haproxy_of(node_id: str) -> None:
     left = [p for p in psutil.process_iter(["name", "cmdline"]) if p.info["name"] == "haproxy"]
     left = [p for p in left if ours in (p.info["cmdline"] or [])]
     for process in left:
-        process.terminate()
+        with contextlib.suppress(psutil.NoSuchProcess):  # it may be exiting as well
+            process.terminate()
     _, alive = psutil.wait_procs(left, timeout=5)
     for process in alive:
-        process.kill()
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
