@@ -452,4 +452,7 @@ def deployment_for(cfg: ServeConfig):
         # requests and is killed once those in flight are done or this has passed: every one of them may run
         # to its own timeout (Serve's default of 20 s cut longer generations off with a 500).
         graceful_shutdown_timeout_s=cfg.request_timeout_s + SHUTDOWN_MARGIN_S,
+        # How often a stopping replica looks whether its requests are done; it waits this long before the first
+        # look too, so Serve's 2 s made every stop 2 s longer than its requests (python -m serve's too).
+        graceful_shutdown_wait_loop_s=0.5,
     )
