@@ -407,6 +407,26 @@ def _run_ds_to_universal(source: str, output: str, inject_missing_state: bool) -
         ) from exc
 
 
+class _TensorParallelNote(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("MPU is not provided")
+
+
+@contextlib.contextmanager
+def _without_tensor_parallel_note() -> Iterator[None]:
+    """DeepSpeed's universal load warns on every rank that no model-parallel unit was given, so it takes tensor
+    parallelism as 1: that is what raywright trains with, and the warning read as a fault in each resize's log
+    and in the export of a 2-worker run."""
+    from deepspeed.utils import logger as deepspeed_logger
+
+    note = _TensorParallelNote()
+    deepspeed_logger.addFilter(note)
+    try:
+        yield
+    finally:
+        deepspeed_logger.removeFilter(note)
+
+
 def load(engine, checkpoint: dict[str, Any], universal: bool) -> None:
     """Load model and optimizer state on every rank (a collective call).
 
@@ -425,7 +445,7 @@ def load(engine, checkpoint: dict[str, Any], universal: bool) -> None:
         uri = checkpoint["uri"]
         files_for = functools.partial(files_for_ranks, list(checkpoint["files"]))
     decays = [group["weight_decay"] for group in engine.optimizer.param_groups]  # see _mend_zero3_universal_load
-    with _local_dir(uri, files_for) as local:
+    with _local_dir(uri, files_for) as local, _without_tensor_parallel_note():
         load_path, _ = engine.load_checkpoint(
             os.path.dirname(local), tag=os.path.basename(local), load_lr_scheduler_states=False
         )
