@@ -35,8 +35,8 @@ def stop_haproxy_of(node_id: str) -> None:
 
     config = Path(RAY_SERVE_HAPROXY_CONFIG_FILE_LOC)
     ours = str(config.parent / node_id / config.name)  # Ray keeps each node's HAProxy files under the node's id
-    left = [p for p in psutil.process_iter(["name", "cmdline"]) if p.info["name"] == "haproxy"]
-    left = [p for p in left if ours in (p.info["cmdline"] or [])]
+    processes = psutil.process_iter(["name", "cmdline"])
+    left = [p for p in processes if p.info["name"] == "haproxy" and ours in (p.info["cmdline"] or [])]
     for process in left:
         with contextlib.suppress(psutil.NoSuchProcess):  # it may be exiting as well
             process.terminate()

@@ -407,11 +407,6 @@ def _run_ds_to_universal(source: str, output: str, inject_missing_state: bool) -
         ) from exc
 
 
-class _TensorParallelNote(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("MPU is not provided")
-
-
 @contextlib.contextmanager
 def _without_tensor_parallel_note() -> Iterator[None]:
     """DeepSpeed's universal load warns on every rank that no model-parallel unit was given, so it takes tensor
@@ -419,12 +414,14 @@ def _without_tensor_parallel_note() -> Iterator[None]:
     and in the export of a 2-worker run."""
     from deepspeed.utils import logger as deepspeed_logger
 
-    note = _TensorParallelNote()
-    deepspeed_logger.addFilter(note)
+    def not_the_note(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("MPU is not provided")
+
+    deepspeed_logger.addFilter(not_the_note)
     try:
         yield
     finally:
-        deepspeed_logger.removeFilter(note)
+        deepspeed_logger.removeFilter(not_the_note)
 
 
 def load(engine, checkpoint: dict[str, Any], universal: bool) -> None:
