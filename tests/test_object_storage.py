@@ -118,6 +118,7 @@ def test_a_run_in_a_bucket_survives_its_driver_killed_resumes_at_another_size_an
     assert not (tmp_path / "runs").exists()
     for side_file in (METRICS, TENSORBOARD):  # the node-local copies the recorder uploaded them from
         assert not os.path.exists(storage.node_local_dir("run-files", f"{run_uri}/{side_file}")), side_file
+    assert not os.path.exists(checkpoint.staging_root(run_uri))  # where the workers staged their shards to upload
 
     # 3. Served from the bucket.
     port = free_port()

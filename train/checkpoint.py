@@ -155,6 +155,13 @@ def staging_root(run_uri: str) -> str:
     return storage.node_local_dir("ckpt-staging", run_uri)
 
 
+def remove_staging(run_uri: str) -> None:
+    """At the run's end, once its last checkpoint counts (no rank stages one any more): its staging folder on this
+    node, which would otherwise stay behind, empty, for every run."""
+    if _first_on_node():
+        shutil.rmtree(staging_root(run_uri), ignore_errors=True)  # not there: the run is local
+
+
 def _first_on_node() -> bool:
     """Whether this rank does a node's share of the work (Ray Train sets LOCAL_RANK; a lone process has none)."""
     return int(os.environ.get("LOCAL_RANK", "0")) == 0

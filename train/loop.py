@@ -307,6 +307,7 @@ class Trainer:
             "evaluation": self.evaluation,
         }
         export_model(self.engine, self.cfg.model, self.tokenizer, export_uri(self.run_uri), provenance)
+        checkpoint.remove_staging(self.run_uri)
 
     def _train_step(self) -> tuple[np.ndarray, torch.Tensor, float]:
         """One optimizer step over this rank's share of the global batch: its rows, mean loss and seconds.
