@@ -100,8 +100,10 @@ def test_a_cpu_worker_trains_without_compiling_a_deepspeed_op(tmp_path):
     first run (and on every run where the build cache is not kept)."""
     builds = tmp_path / "torch_extensions"
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(builds), "DS_ACCELERATOR": "cpu", "LOCAL_RANK": "0"}
-    subprocess.run([sys.executable, "-c", FIRST_ENGINE.format(port=free_port())], env=env, check=True, timeout=300)
-    assert not builds.exists() or not any(builds.iterdir())
+    command = [sys.executable, "-c", FIRST_ENGINE.format(port=free_port())]
+    trained = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert not builds.exists() or not any(builds.iterdir()), sorted(p.name for p in builds.rglob("*"))
 
 
 @pytest.mark.unit
