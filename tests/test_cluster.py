@@ -3,6 +3,7 @@ and the local twin driven through the job CLI."""
 
 import copy
 import json
+import os
 import re
 import socket
 import subprocess
@@ -153,6 +154,26 @@ class FakeImds(BaseHTTPRequestHandler):
         pass
 
 
+def test_on_cluster_yamls_gpu_nodes_only_work_that_reserved_a_gpu_sees_one(cluster_config, ray_session):
+    """Ray 2.60 no longer hides a node's GPUs from the tasks and actors that reserved none: a CPU sweep trial or
+    replica placed on a GPU node would use a GPU that a training run there holds. A node started as cluster.yaml
+    starts its workers hides them again."""
+    setting = "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"
+    exported = re.search(rf"\b{setting}=([^\s;]+)", " ".join(cluster_config["worker_start_ray_commands"]))
+    assert exported, f"cluster.yaml's workers start Ray without {setting}"
+    node = ray_session.add_node(num_cpus=1, num_gpus=1, resources={"gpu_node": 1}, env_vars={setting: exported[1]})
+    try:
+
+        @ray.remote(num_cpus=0, resources={"gpu_node": 0.01})
+        def visible_gpus() -> str | None:
+            return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+        assert ray.get(visible_gpus.remote(), timeout=60) == ""  # none, where the node's GPU was visible
+        assert ray.get(visible_gpus.options(num_gpus=1).remote(), timeout=60) == "0"  # the one it reserved
+    finally:
+        ray_session.remove_node(node)
+
+
 def test_the_drainer_waits_out_an_unreachable_metadata_service_checkpoints_on_rebalance_and_drains_on_notice(
     ray_session,
 ):
@@ -231,10 +252,14 @@ def _wait(condition, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-def test_local_twin_launches_spot_then_on_demand_follows_and_stops_a_job_then_scales_down(tiny_dataset, tmp_path):
+def test_local_twin_launches_spot_then_on_demand_follows_and_stops_a_job_then_scales_down(
+    tiny_dataset, tmp_path, monkeypatch
+):
     """On the fake_multinode twin, through the job CLI: a 2-worker training job asks for two `accelerator`
     nodes; the spot type (max 1) is preferred and exhausted, so an on-demand node is launched too. The
-    followed log shows training; `stop` ends the job and the follow; the idle nodes are given back."""
+    followed log shows training; `stop` ends the job and the follow; the idle nodes are given back.
+    The job's CPU workers take the CPU from the run, not from the nodes' environment (a cloud node's has none)."""
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)  # which the twin's nodes would inherit from the tests
     state = local.up(tmp_path / "twin")
     address = ["--address", state["dashboard"]]
     try:
@@ -248,8 +273,7 @@ def test_local_twin_launches_spot_then_on_demand_follows_and_stops_a_job_then_sc
         ]
         sets = [word for item in overrides for word in ("--set", item)]
         submitted = subprocess.run(
-            [sys.executable, "-m", "cluster", "submit", "train", "--config", "tiny", *sets, *address,
-             "--env", "DS_ACCELERATOR=cpu"],
+            [sys.executable, "-m", "cluster", "submit", "train", "--config", "tiny", *sets, *address],
             cwd=REPO, capture_output=True, text=True, check=True, timeout=120,
         )  # fmt: skip
         job_id = submitted.stdout.split()[1]
@@ -267,6 +291,8 @@ def test_local_twin_launches_spot_then_on_demand_follows_and_stops_a_job_then_sc
                 f"nodes up: {_twin_node_kinds(state['dashboard'])}; the job's log ends:\n"
                 + followed.read_text()[-4000:]
             )
+            # DeepSpeed's warning that it found no GPU, from each worker that chose its device by itself
+            assert "unable to detect" not in followed.read_text()
             assert cluster_main(["stop", job_id, *address]) == 0
             assert follow.wait(timeout=60) == 0  # the follow ends with the job
         finally:

@@ -110,7 +110,13 @@ def test_raywright_env_defaults_yield_to_the_users(monkeypatch):
 
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "4096")
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
-    assert train_worker_env() == {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": "4096"}
+    malloc = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": "4096"}
+    assert train_worker_env(load_config("small")) == malloc  # GPU workers: Ray gives each the GPUs it reserved
+
+
+def test_a_cpu_runs_workers_use_the_cpu_and_see_no_gpu_wherever_ray_places_them():
+    env = train_worker_env(load_config("tiny"))
+    assert env["DS_ACCELERATOR"] == "cpu" and env["CUDA_VISIBLE_DEVICES"] == ""
 
 
 def test_raywright_storage_is_the_default_storage_path(monkeypatch):

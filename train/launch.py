@@ -44,6 +44,11 @@ RAY_TRAIN_LOGGING_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_TRAIN_ENABLE_
 # pages for each step's activations: 0.2-2k page faults a step on the CPU, at 2.5 us each (P1 in
 # BENCHMARKS.md). With fixed thresholds a step reuses what the last one freed. Other allocators ignore these.
 TRAIN_WORKER_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
+# The workers of a run on CPUs, wherever Ray places them. DeepSpeed takes its device as it loads: this variable's,
+# else any GPU it sees. Ray 2.60 no longer hides a node's GPUs from workers that reserved none, so on a GPU node
+# a CPU run's worker would take a GPU that it had not reserved, beside the run that had; on a CPU node each warned
+# that it found no GPU. A driver's environment reaches the workers of a Ray it starts, not those of a cluster.
+CPU_WORKER_ENV = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
 
 
 @dataclass
@@ -80,7 +85,7 @@ def init_ray(cfg: TrainConfig) -> bool:
     if ray.is_initialized():
         return False
     if not cfg.scaling.use_gpu:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # inherited by the workers of a local Ray
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # inherited by a local Ray's processes: a sweep's trials
     address = cluster_address(cfg)
     if address:
         ray.init(address=address)
@@ -160,9 +165,13 @@ def set_ray_train_env(cfg: TrainConfig) -> None:
         os.environ.setdefault(name, value)
 
 
-def train_worker_env() -> dict[str, str]:
-    """The environment variables raywright sets in its training workers; a value in the driver's environment wins."""
-    return {name: os.environ.get(name, value) for name, value in TRAIN_WORKER_MALLOC_ENV.items()}
+def train_worker_env(cfg: TrainConfig) -> dict[str, str]:
+    """The environment variables raywright sets in the training workers of ``cfg``: malloc's, where the driver's
+    environment has none, and a CPU run's (``CPU_WORKER_ENV``)."""
+    env = {name: os.environ.get(name, value) for name, value in TRAIN_WORKER_MALLOC_ENV.items()}
+    if not cfg.scaling.use_gpu:
+        env.update(CPU_WORKER_ENV)
+    return env
 
 
 def run_uri(cfg: TrainConfig) -> str:
@@ -208,7 +217,7 @@ def build_trainer(
             # Pre-emptions are routine on spot nodes: unlimited; real failures are bounded.
             failure_config=FailureConfig(max_failures=scaling.max_failures, max_preemption_failures=-1),
             callbacks=[MetricsRecorder(run_uri(cfg), cfg.optim.max_steps, cfg.run.side_files_upload_s), *callbacks],
-            worker_runtime_env={"env_vars": train_worker_env()},  # read at a worker process's start
+            worker_runtime_env={"env_vars": train_worker_env(cfg)},  # read at a worker process's start
         ),
         torch_config=TorchConfig(backend="nccl" if scaling.use_gpu else "gloo"),
     )
