@@ -3,8 +3,9 @@
     python bench/p2_activations.py [--config small] [--micro-batch 2] [--rounds 2] [--set K=V ...]
 
 For the recipe's model (the ``small`` shape, bf16, by default) on the CPU: the activation bytes one forward and
-backward of a micro-batch hold at their peak, from torch's memory tracker (``measured_activation_bytes``), each
-beside the memory plan's estimate; then the seconds of a forward and backward, the two alternating over rounds.
+backward of a micro-batch hold at their peak, from torch's memory tracker on fake tensors
+(``measured_activation_bytes``), each beside the memory plan's estimate; then the seconds of a forward and backward,
+the two alternating over rounds.
 The time ratio is an upper bound for a training step's, which adds the optimizer step to both sides.
 """
 

@@ -119,6 +119,23 @@ def test_the_activation_estimate_bounds_what_autograd_saves(precision):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("checkpointing", ["false", "true"])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        ["model.n_layer=2", "model.seq_len=256", "deepspeed.precision=fp32"],  # the small shape's width
+        # Narrower: bf16 arithmetic on a CPU without bf16 instructions is what the fake tensors spare the other tests.
+        ["model.n_layer=2", "model.seq_len=256", "model.d_model=128", "model.n_head=4", "deepspeed.precision=bf16"],
+    ],
+    ids=["fp32", "bf16"],
+)
+def test_fake_tensors_count_the_bytes_that_computing_holds(shape, checkpointing):
+    """The memory measurements run the model on fake tensors: they count what the real forward and backward hold."""
+    cfg = load_config("small", [*shape, f"deepspeed.activation_checkpointing={checkpointing}"])
+    assert measured_activation_bytes(cfg, 2) == measured_activation_bytes(cfg, 2, compute=True)
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_activation_checkpointing_holds_a_block_input_per_layer_and_the_estimate_bounds_it(precision):
     """The small shape's width, 4 layers of 256 tokens: recomputing each block keeps under a third of the

@@ -19,6 +19,7 @@ again while it recomputes them. Both bound what the model's forward and backward
 shape (tests/test_memory.py); the gradients in flight during the backward are left to the headroom.
 """
 
+import contextlib
 import json
 import os
 import tempfile
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 from ray.train import ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
 from train.batching import failing_world_sizes
@@ -186,23 +188,34 @@ def model_and_batch(cfg: TrainConfig, micro_batch: int) -> tuple[GPT, torch.Tens
     """The run's model as a DeepSpeed engine holds it (its precision, its activation checkpointing), seeded, and
     ``micro_batch`` random sequences of ``seq_len + 1`` tokens: what the measurements of its memory run."""
     torch.manual_seed(0)
-    model = GPT(cfg.model, cfg.deepspeed.activation_checkpointing).to(training_dtype(cfg))
+    # Made in the run's dtype rather than cast to it: a cast cannot swap the tied embedding's weight of fake tensors.
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(training_dtype(cfg))
+    try:
+        model = GPT(cfg.model, cfg.deepspeed.activation_checkpointing)
+    finally:
+        torch.set_default_dtype(default_dtype)
     return model, torch.randint(0, cfg.model.vocab_size, (micro_batch, cfg.model.seq_len + 1))
 
 
-def measured_activation_bytes(cfg: TrainConfig, micro_batch: int) -> int:
+def measured_activation_bytes(cfg: TrainConfig, micro_batch: int, *, compute: bool = False) -> int:
     """Activation bytes one forward and backward of ``micro_batch`` random sequences hold at their peak on the CPU, in
     the run's precision and with its activation checkpointing, as torch's memory tracker counts them (weights,
-    gradients and the backward's temporaries not counted)."""
-    model, tokens = model_and_batch(cfg, micro_batch)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)  # held from the start, as a training step's are: the peak is the activations'
-    tracker = MemTracker()
-    tracker.track_external(model)
-    with tracker:
-        _, loss = model(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
-    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")][_MemRefType.ACT]
+    gradients and the backward's temporaries not counted).
+
+    The model runs on torch's fake tensors (shapes and dtypes, no values) unless ``compute``: the same bytes
+    (tests/test_memory.py), without the arithmetic, which in bf16 on a CPU without bf16 instructions takes minutes.
+    """
+    with contextlib.nullcontext() if compute else FakeTensorMode():
+        model, tokens = model_and_batch(cfg, micro_batch)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)  # held from the start, as a training step's are: the peak is the activations'
+        tracker = MemTracker()
+        tracker.track_external(model)
+        with tracker:
+            _, loss = model(tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+        return tracker.get_tracker_snapshot("peak")[torch.device("cpu")][_MemRefType.ACT]
 
 
 def measure_on_workers(configs: list[TrainConfig], workers: int) -> list[int]:
