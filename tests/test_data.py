@@ -1,3 +1,4 @@
+import hashlib
 import io
 import json
 import logging
@@ -19,19 +20,23 @@ import pytest
 from ray._common.test_utils import wait_for_condition
 from ray.data._internal.logging import get_log_directory
 
+from train.config import load_config
 from train.data import (
     COPY_SOURCE,
     LAGGING_NO_CPU_WARNING,
     _files_below,
     _ray_data_logs_to_file_only,
+    bpe_sample,
+    dataset_path,
     list_source,
     load_manifest,
     load_split,
     prepare,
+    split_documents,
 )
 from train.loader import SampleOrder, micro_batch_samples
 from train.schema import ConfigError
-from train.tokenizer import ByteTokenizer, load_tokenizer
+from train.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
 
 
 def _documents(n: int = 60) -> list[str]:
@@ -72,6 +77,43 @@ def test_bpe_prepare_reports_tokens_per_byte_and_its_tokenizer_is_reusable_by_pa
     again = prepare(f"{corpus_dir}/**/*.py", str(tmp_path / "again"), 64, 0.1, tokenizer=f"{out}/tokenizer.json")
     assert again["tokenizer"] == manifest["tokenizer"]
     assert np.array_equal(load_split(str(tmp_path / "again"), "train"), rows)
+
+
+@pytest.mark.cluster
+def test_a_bpe_trains_on_an_even_sample_of_a_training_split_larger_than_bpe_train_bytes(ray_session, tmp_path, capsys):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, text in enumerate(_documents(400)):
+        (corpus / f"doc{i}.txt").write_text(text)
+    docs = split_documents(str(corpus), val_fraction=0.1)
+    training = {row["digest"]: row for row in docs.take_all() if row["split"] == "train"}
+    train_bytes = sum(row["num_bytes"] for row in training.values())
+    for at_most in (0, train_bytes):  # no limit, and one the split fits: all of it, nothing said
+        assert {row["digest"] for row in bpe_sample(docs, at_most).take_all()} == training.keys()
+    assert capsys.readouterr().out == ""
+
+    sample = bpe_sample(docs, train_bytes // 4).take_all()
+    assert {row["digest"] for row in sample} <= training.keys()
+    # The documents' hashes choose it apart from their split: a sample by the split's own hash bytes would hold
+    # (0.25 - 0.1) / 0.9 of the training bytes, not a quarter.
+    assert 0.85 < sum(row["num_bytes"] for row in sample) / (train_bytes / 4) < 1.15
+    said = f"training the BPE on ~{train_bytes // 4 / 1e6:,.1f} MB of the training split's {train_bytes / 1e6:,.1f} MB"
+    assert said in capsys.readouterr().out
+    # prepare trains its BPE on that sample.
+    out = str(tmp_path / "prepared")
+    prepare(str(corpus), out, 32, val_fraction=0.1, tokenizer="bpe", vocab_size=300, bpe_train_bytes=train_bytes // 4)
+    on_sample = train_bpe([row["text"].decode() for row in sample], vocab_size=300)
+    assert load_tokenizer(out).spec() == on_sample.spec()
+
+
+@pytest.mark.unit
+def test_a_bpe_sampled_otherwise_is_prepared_apart_and_one_sampled_by_default_keeps_its_dataset():
+    cfg = load_config("tiny", ["data.tokenizer=bpe"])
+    data = cfg.data
+    # The name its settings gave before data.bpe_train_bytes: a dataset prepared then is found, not prepared again.
+    before = json.dumps([data.source, data.text_column, data.val_fraction, "bpe", data.vocab_size, cfg.model.seq_len])
+    assert dataset_path(cfg).endswith(f"/datasets/{hashlib.sha256(before.encode()).hexdigest()[:12]}")
+    assert dataset_path(load_config("tiny", ["data.tokenizer=bpe", "data.bpe_train_bytes=0"])) != dataset_path(cfg)
 
 
 def test_the_same_corpus_gives_the_same_sequences_on_a_ray_of_another_size(

@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 
 from train import storage
 from train.cli import OneLineParser, config_errors_exit_2, setting_type
-from train.config import DataConfig, TrainConfig, tokenizer_setting
+from train.config import BPE_TRAIN_BYTES, DataConfig, TrainConfig, tokenizer_setting
 from train.model_config import ModelConfig
 from train.schema import ConfigError
 from train.split_rows import SplitRows
@@ -130,9 +130,20 @@ def _read_documents(fs: pafs.FileSystem, files: list[str], kind: str, text_colum
     return ds.select_columns([text_column]).rename_columns({text_column: "text"})
 
 
+def split_documents(source: str, val_fraction: float, text_column: str = "text"):
+    """The documents of ``source`` as a materialized Ray Dataset: per document its ``text``, ``num_bytes``,
+    ``digest`` (SHA-256) and ``split``."""
+    fs, files, kind = list_source(source)
+    return (
+        _read_documents(fs, files, kind, text_column)
+        .map_batches(_split_documents, fn_kwargs={"val_fraction": val_fraction}, batch_format="numpy")
+        .materialize()
+    )
+
+
 def _split_documents(batch: dict, val_fraction: float) -> dict:
-    """Per document: its bytes, its content digest and its split."""
-    texts, digests, splits = [], [], []
+    """Per document: its bytes and their count, its content digest, its split and its draw for a BPE's sample."""
+    texts, digests, splits, draws = [], [], [], []
     for text in batch["text"]:
         data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
         digest = hashlib.sha256(data).digest()
@@ -140,7 +151,9 @@ def _split_documents(batch: dict, val_fraction: float) -> dict:
         digests.append(digest)
         # The first 8 digest bytes as a uniform number in [0, 1) choose the split.
         splits.append("val" if int.from_bytes(digest[:8], "big") / 2**64 < val_fraction else "train")
-    return {"text": texts, "digest": digests, "split": splits}
+        draws.append(int.from_bytes(digest[8:16], "big") / 2**64)  # the next 8: apart from the split
+    num_bytes = [len(text) for text in texts]
+    return {"text": texts, "num_bytes": num_bytes, "digest": digests, "split": splits, "bpe_draw": draws}
 
 
 def _tokenize(batch: dict, tokenizer: BPETokenizer) -> dict:
@@ -153,7 +166,7 @@ def _tokenize(batch: dict, tokenizer: BPETokenizer) -> dict:
         "split": batch["split"],
         "tokens": [t.tobytes() for t in tokens],
         "num_tokens": [len(t) for t in tokens],
-        "num_bytes": [len(text) for text in batch["text"]],
+        "num_bytes": batch["num_bytes"],
     }
 
 
@@ -165,20 +178,38 @@ def _pack(batch: dict, seq_len: int) -> pa.Table:
     return pa.table({"tokens": pa.FixedSizeListArray.from_arrays(flat, seq_len + 1)})
 
 
-def make_tokenizer(choice: str, vocab_size: int, docs) -> BPETokenizer:
-    """``data.tokenizer``: ``byte``, ``bpe`` (trained here on the training split of ``docs``), or a path."""
+def make_tokenizer(choice: str, vocab_size: int, docs, bpe_train_bytes: int) -> BPETokenizer:
+    """``data.tokenizer``: ``byte``, ``bpe`` (trained here on the training split of ``docs``, or on a sample of
+    about ``bpe_train_bytes`` of it where it holds more; 0: all of it), or a path."""
     if choice == "byte":
         return ByteTokenizer()
     if choice == "bpe":
-        from ray.data.expressions import col
-
         texts = (
             bytes(text).decode("utf-8", errors="replace")
-            for batch in docs.filter(expr=col("split") == "train").iter_batches(batch_format="numpy")
+            for batch in bpe_sample(docs, bpe_train_bytes).iter_batches(batch_format="numpy")
             for text in batch["text"]
         )
         return train_bpe(texts, vocab_size)
     return load_tokenizer(choice)
+
+
+def bpe_sample(docs, at_most_bytes: int):
+    """The documents (of ``split_documents``) that a BPE trains on: the training split, or where it holds more than
+    ``at_most_bytes`` (0: no limit), an even sample of about that many bytes of it, said in one line."""
+    from ray.data.expressions import col
+
+    training = col("split") == "train"
+    counts = _columns(docs, ["split", "num_bytes"])
+    train_bytes = pc.sum(counts.filter(pc.equal(counts["split"], "train"))["num_bytes"]).as_py() or 0
+    if not 0 < at_most_bytes < train_bytes:
+        return docs.filter(expr=training)
+    print(
+        f"training the BPE on ~{at_most_bytes / 1e6:,.1f} MB of the training split's {train_bytes / 1e6:,.1f} MB "
+        "(data.bpe_train_bytes)",
+        flush=True,
+    )
+    # Each document in or out by its hash: the same sample of the same corpus on any machine.
+    return docs.filter(expr=training & (col("bpe_draw") < at_most_bytes / train_bytes))
 
 
 @contextlib.contextmanager
@@ -215,26 +246,22 @@ def prepare(
     text_column: str = "text",
     tokenizer: str = "byte",
     vocab_size: int = 4096,
+    bpe_train_bytes: int = BPE_TRAIN_BYTES,
 ) -> dict:
     """Tokenize ``source`` into Parquet shards under ``out`` and return the manifest.
 
-    ``tokenizer`` and ``vocab_size`` are ``data.tokenizer`` and ``data.vocab_size``; the tokenizer
-    is stored in ``out/tokenizer.json``.
+    ``tokenizer``, ``vocab_size`` and ``bpe_train_bytes`` are ``data.tokenizer``, ``data.vocab_size`` and
+    ``data.bpe_train_bytes``; the tokenizer is stored in ``out/tokenizer.json``.
     """
     import ray.data
 
     refuse_foreign(out)  # before any work: a user's directory is never touched
     ray.data.DataContext.get_current().execution_options.preserve_order = True  # reproducible shards
     source = source or default_source()
-    fs, files, kind = list_source(source)
     with _ray_data_logs_to_file_only():
-        docs = (
-            _read_documents(fs, files, kind, text_column)
-            .map_batches(_split_documents, fn_kwargs={"val_fraction": val_fraction}, batch_format="numpy")
-            .materialize()
-        )
+        docs = split_documents(source, val_fraction, text_column)
         digests = sorted(_columns(docs, ["digest"])["digest"].to_pylist())
-        chosen = make_tokenizer(tokenizer, vocab_size, docs)
+        chosen = make_tokenizer(tokenizer, vocab_size, docs, bpe_train_bytes)
         tokens = docs.map_batches(_tokenize, fn_kwargs={"tokenizer": chosen}, batch_format="numpy").materialize()
         # Locally the dataset is written to a sibling and renamed into place, so an interrupted or concurrent
         # preparation never leaves a half-written one at ``out``; object storage has no rename: written in place.
@@ -323,7 +350,11 @@ def dataset_path(cfg: TrainConfig) -> str:
     data = cfg.data
     if data.path:
         return data.path
-    tokenizer = [data.tokenizer, data.vocab_size] if data.tokenizer == "bpe" else [data.tokenizer]
+    tokenizer = [data.tokenizer]
+    if data.tokenizer == "bpe":
+        tokenizer.append(data.vocab_size)
+        if data.bpe_train_bytes != BPE_TRAIN_BYTES:  # the datasets prepared before the setting keep their names
+            tokenizer.append(data.bpe_train_bytes)
     settings = json.dumps([data.source, data.text_column, data.val_fraction, *tokenizer, cfg.model.seq_len])
     return storage.join(cfg.run.storage_path, "datasets", hashlib.sha256(settings.encode()).hexdigest()[:12])
 
@@ -463,6 +494,12 @@ def main(argv: list[str] | None = None) -> int:
     prep.add_argument(
         "--vocab-size", type=setting_type(DataConfig, "vocab_size"), default=4096, help="vocabulary of a trained BPE"
     )
+    prep.add_argument(
+        "--bpe-train-bytes",
+        type=setting_type(DataConfig, "bpe_train_bytes"),
+        default=BPE_TRAIN_BYTES,
+        help="a trained BPE learns from at most this many bytes of the training split, sampled evenly (0: all)",
+    )
     args = parser.parse_args(argv)
     # Before Ray starts: what would otherwise fail after it, or after the corpus is read.
     refuse_foreign(args.out)
@@ -473,7 +510,14 @@ def main(argv: list[str] | None = None) -> int:
 
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     manifest = prepare(
-        args.source, args.out, args.seq_len, args.val_fraction, args.text_column, args.tokenizer, args.vocab_size
+        args.source,
+        args.out,
+        args.seq_len,
+        args.val_fraction,
+        args.text_column,
+        args.tokenizer,
+        args.vocab_size,
+        args.bpe_train_bytes,
     )
     print(
         f"prepared {manifest['train']['sequences']} train and {manifest['val']['sequences']} validation "

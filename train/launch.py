@@ -230,7 +230,14 @@ def ensure_dataset(cfg: TrainConfig) -> tuple[str, dict]:
     if manifest is None:
         print(f"preparing dataset from {data.source or 'the Python standard library'} into {path}", flush=True)
         manifest = prepare(
-            data.source, path, cfg.model.seq_len, data.val_fraction, data.text_column, data.tokenizer, data.vocab_size
+            data.source,
+            path,
+            cfg.model.seq_len,
+            data.val_fraction,
+            data.text_column,
+            data.tokenizer,
+            data.vocab_size,
+            data.bpe_train_bytes,
         )
         print(f"{manifest['tokens_per_byte']:.3f} tokens per byte with the {data.tokenizer} tokenizer", flush=True)
     else:
