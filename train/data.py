@@ -132,7 +132,7 @@ def _read_documents(fs: pafs.FileSystem, files: list[str], kind: str, text_colum
 
 def split_documents(source: str, val_fraction: float, text_column: str = "text"):
     """The documents of ``source`` as a materialized Ray Dataset: per document its ``text``, ``num_bytes``,
-    ``digest`` (SHA-256) and ``split``."""
+    ``digest`` (SHA-256), ``split`` and ``bpe_draw`` (``bpe_sample``'s)."""
     fs, files, kind = list_source(source)
     return (
         _read_documents(fs, files, kind, text_column)
