@@ -42,12 +42,14 @@ def cluster_config() -> dict:
     return yaml.safe_load((REPO / "cluster.yaml").read_text())
 
 
+@pytest.mark.unit
 def test_cluster_yaml_passes_rays_own_validation(cluster_config):
     prepared = prepare_config(copy.deepcopy(cluster_config))
     validate_config(prepared)
     assert set(prepared["available_node_types"]) == {"ray.head.default", *WORKER_TYPES}
 
 
+@pytest.mark.unit
 def test_cluster_yaml_is_safe_by_default(cluster_config):
     head = " ".join(cluster_config["head_start_ray_commands"])
     workers = " ".join(cluster_config["worker_start_ray_commands"])
@@ -72,6 +74,7 @@ def test_cluster_yaml_is_safe_by_default(cluster_config):
     assert cluster_config["provider"]["security_group"]["IpPermissions"] == []
 
 
+@pytest.mark.unit
 def test_rays_aws_provider_on_moto_creates_every_worker_type_and_opens_only_ssh(cluster_config, monkeypatch):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
@@ -154,6 +157,7 @@ class FakeImds(BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.cluster
 def test_on_cluster_yamls_gpu_nodes_only_work_that_reserved_a_gpu_sees_one(cluster_config, ray_session):
     """Ray 2.60 no longer hides a node's GPUs from the tasks and actors that reserved none: a CPU sweep trial or
     replica placed on a GPU node would use a GPU that a training run there holds. A node started as cluster.yaml
@@ -174,6 +178,7 @@ def test_on_cluster_yamls_gpu_nodes_only_work_that_reserved_a_gpu_sees_one(clust
         ray_session.remove_node(node)
 
 
+@pytest.mark.cluster
 def test_the_drainer_waits_out_an_unreachable_metadata_service_checkpoints_on_rebalance_and_drains_on_notice(
     ray_session,
 ):
@@ -252,6 +257,7 @@ def _wait(condition, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+@pytest.mark.cluster
 def test_local_twin_launches_spot_then_on_demand_follows_and_stops_a_job_then_scales_down(
     tiny_dataset, tmp_path, monkeypatch
 ):

@@ -45,6 +45,7 @@ def _documents(n: int = 60) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(rng.randint(20, 200))) for _ in range(n)]
 
 
+@pytest.mark.cluster
 def test_prepared_sequences_are_the_corpus_bytes(tiny_dataset, corpus_dir):
     manifest = load_manifest(tiny_dataset)
     train, val = load_split(tiny_dataset, "train"), load_split(tiny_dataset, "val")
@@ -59,6 +60,7 @@ def test_prepared_sequences_are_the_corpus_bytes(tiny_dataset, corpus_dir):
             assert piece in corpus
 
 
+@pytest.mark.cluster
 def test_bpe_prepare_reports_tokens_per_byte_and_its_tokenizer_is_reusable_by_path(tiny_dataset, corpus_dir, tmp_path):
     out = str(tmp_path / "bpe")
     manifest = prepare(f"{corpus_dir}/**/*.py", out, seq_len=64, val_fraction=0.1, tokenizer="bpe", vocab_size=1024)
@@ -116,6 +118,7 @@ def test_a_bpe_sampled_otherwise_is_prepared_apart_and_one_sampled_by_default_ke
     assert dataset_path(load_config("tiny", ["data.tokenizer=bpe", "data.bpe_train_bytes=0"])) != dataset_path(cfg)
 
 
+@pytest.mark.cluster
 def test_the_same_corpus_gives_the_same_sequences_on_a_ray_of_another_size(
     ray_session, corpus_dir, tmp_path, monkeypatch
 ):
@@ -142,6 +145,7 @@ def test_the_same_corpus_gives_the_same_sequences_on_a_ray_of_another_size(
         assert np.array_equal(load_split(here, split)[:], load_split(there, split)[:]), split
 
 
+@pytest.mark.cluster
 def test_same_documents_as_text_jsonl_and_parquet_give_the_same_source_hash(ray_session, tmp_path):
     docs = _documents()
     text_dir = tmp_path / "text"
@@ -178,6 +182,7 @@ def ray_data_console(ray_session) -> Iterator[io.StringIO]:
     console.setStream(stream)
 
 
+@pytest.mark.cluster
 def test_preparing_a_corpus_leaves_ray_datas_progress_in_its_log_and_the_console_to_raywright(
     ray_data_console, corpus_dir, tmp_path
 ):
@@ -202,6 +207,7 @@ def test_preparing_a_corpus_leaves_ray_datas_progress_in_its_log_and_the_console
     assert printed == ["a warning of Ray Data's", "after preparing"]
 
 
+@pytest.mark.cluster
 def test_a_directory_raywright_did_not_write_is_never_overwritten(ray_session, corpus_dir, tmp_path):
     mine = tmp_path / "mycorpus"
     mine.mkdir()
@@ -223,6 +229,7 @@ def test_a_directory_raywright_did_not_write_is_never_overwritten(ray_session, c
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mycorpus", "prepared"]
 
 
+@pytest.mark.cluster
 def test_a_node_local_copy_goes_when_its_dataset_is_deleted_or_prepared_again(tiny_dataset, tmp_path, monkeypatch):
     node_tmp = tmp_path / "node-tmp"
     node_tmp.mkdir()
@@ -249,6 +256,7 @@ def test_a_node_local_copy_goes_when_its_dataset_is_deleted_or_prepared_again(ti
     assert built_from() == sorted(map(str, (kept, again, new)))
 
 
+@pytest.mark.cluster
 def test_a_copy_cut_short_leaves_no_partial_file_on_the_node(tiny_dataset, tmp_path, monkeypatch):
     """A worker killed while it copies (its group restarted mid-start) and a copy that fails leave nothing
     behind: a partial copy is as large as the split, and every later try would add one beside it."""
@@ -291,6 +299,7 @@ def test_a_copy_cut_short_leaves_no_partial_file_on_the_node(tiny_dataset, tmp_p
     assert {name for name in node_files() if name.startswith("train")} == {"train.u16"}
 
 
+@pytest.mark.cluster
 def test_a_node_without_room_for_the_copy_is_told_so_before_it_copies(tiny_dataset, tmp_path, monkeypatch):
     node_tmp = tmp_path / "node-tmp"
     node_tmp.mkdir()
@@ -302,6 +311,7 @@ def test_a_node_without_room_for_the_copy_is_told_so_before_it_copies(tiny_datas
     assert not list(node_tmp.glob("raywright-data/*/train*"))
 
 
+@pytest.mark.cluster
 def test_bad_sources_name_the_problem(ray_session, tmp_path):
     with pytest.raises(ConfigError, match="data.source: cannot read '/no/such/dir': no such file or directory"):
         list_source("/no/such/dir")
@@ -326,6 +336,7 @@ def test_a_source_leaves_out_installed_packages_and_bytecode_on_any_filesystem(t
     assert sorted(_files_below(subtree, "")) == ["README.txt", "json/decoder.py"]
 
 
+@pytest.mark.unit
 def test_sample_order_is_a_pure_function_of_seed_epoch_and_index():
     order, fresh = SampleOrder(10, seed=3), SampleOrder(10, seed=3)
     first_two_epochs = order.rows(range(0, 20))
@@ -337,6 +348,7 @@ def test_sample_order_is_a_pure_function_of_seed_epoch_and_index():
     assert not np.array_equal(SampleOrder(10, seed=4).rows(range(10)), first_two_epochs[:10])
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("world_size", [1, 2, 3, 6])
 def test_every_world_size_covers_each_global_batch_exactly_once(world_size):
     global_batch, micro = 12, 2

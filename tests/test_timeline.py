@@ -5,12 +5,14 @@ from train import storage
 from train.timeline import TIMELINE, Timeline, describe_resize, node_price_type
 
 
+@pytest.mark.unit
 def test_node_price_type_is_the_first_priced_resource():
     prices = {"spot": 1.0, "ondemand": 3.0}
     assert node_price_type({"CPU": 8, "spot": 1}, prices, "ondemand") == "spot"
     assert node_price_type({"CPU": 8}, prices, "ondemand") == "ondemand"
 
 
+@pytest.mark.cluster
 def test_resizes_redone_steps_goodput_and_cost(ray_session, monkeypatch):
     node = ray.get_runtime_context().get_node_id()
     clock = iter(range(0, 10_000, 10))
@@ -53,6 +55,7 @@ def test_resizes_redone_steps_goodput_and_cost(ray_session, monkeypatch):
     assert summary["checkpoints"][-1] == lost
 
 
+@pytest.mark.cluster
 def test_a_resuming_driver_continues_the_record_of_the_run(ray_session, monkeypatch, tmp_path):
     node = ray.get_runtime_context().get_node_id()
     now = [0.0]

@@ -78,17 +78,20 @@ BAD_SPACES = [
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("space", "named"), BAD_SPACES, ids=[named for _, named in BAD_SPACES])
 def test_bad_search_space_gets_an_error_naming_the_parameter(space, named):
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
         sweep_config_from_dict({"base": "tiny", "space": space})
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("sweep", sorted(p.stem for p in SWEEP_DIR.glob("*.yaml")))
 def test_every_shipped_sweep_loads(sweep):
     load_sweep_config(sweep)
 
 
+@pytest.mark.unit
 def test_cli_rejects_a_bad_sweep_file_before_starting_ray(tmp_path, capsys):
     bad = tmp_path / "sweep-bad.yaml"
     bad.write_text(yaml.safe_dump({"name": "bad", "space": {"optim.lr": {"choice": []}}}))
@@ -139,6 +142,7 @@ def test_a_trial_the_sweep_ended_before_it_reported_is_not_in_the_summary(tmp_pa
     assert summarize(sweep, [reported, failed], data_path).trials["trial_id"].tolist() == ["a1", "d4"]
 
 
+@pytest.mark.cluster
 def test_notebook_sweep_stops_trials_early_runs_them_concurrently_and_its_best_recipe_trains(
     ray_session, tiny_dataset, tmp_path
 ):
@@ -188,6 +192,7 @@ def test_notebook_sweep_stops_trials_early_runs_them_concurrently_and_its_best_r
     assert summary.steps == 40 and summary.final_val_loss < summary.initial_val_loss
 
 
+@pytest.mark.cluster
 def test_sweep_resumes_after_its_driver_is_killed_within_its_step_budget(ray_session, tiny_dataset, tmp_path):
     """5 trials of 40 steps, a budget of 120: the driver is killed after two trials (80 steps); the resumed
     sweep counts those and stops at 120 steps in all, not at 80 + 120."""
@@ -252,6 +257,7 @@ def _checkpoint_reasons(trials: Path) -> dict[str, str]:
     return reasons
 
 
+@pytest.mark.cluster
 def test_trial_resumes_from_its_checkpoint_on_another_spot_node(ray_session, tiny_dataset, tmp_path):
     """A spot node gets its pre-emption notice mid-trial, then is removed at the deadline: the trial checkpoints at
     the notice and before the deadline, and Tune restarts it on the other spot node, from its checkpoint."""
@@ -307,6 +313,7 @@ def test_trial_resumes_from_its_checkpoint_on_another_spot_node(ray_session, tin
     assert kept == ["step_00000190", "step_00000200"], kept
 
 
+@pytest.mark.cluster
 def test_a_sweep_ends_once_its_step_budget_is_spent(ray_session, tiny_dataset, tmp_path):
     """step_budget: 60 steps of 40-step trials -> the sweep stops after two trials' worth, not eight."""
     result = short_sweep(tmp_path, "budget", SPACE, num_trials=8, step_budget=60)
@@ -326,6 +333,7 @@ def test_a_sweep_ends_once_its_step_budget_is_spent(ray_session, tiny_dataset, t
     assert not _ran_with(sweep_config_from_dict({**sweep, "step_budget": 80}), result.path)
 
 
+@pytest.mark.cluster
 def test_a_trial_that_diverges_ends_at_once_as_the_worst_result(ray_session, tiny_dataset, tmp_path):
     """Its loss is NaN from step 2; reported as NaN, ASHA would never stop it and Optuna would learn nothing."""
     result = short_sweep(tmp_path, "diverges", {"optim.lr": {"choice": [1e30]}}, num_trials=1)
@@ -334,6 +342,7 @@ def test_a_trial_that_diverges_ends_at_once_as_the_worst_result(ray_session, tin
     assert trial["steps"] == 10  # its first loss report after step 1, not the 40 steps of the recipe
 
 
+@pytest.mark.cluster
 def test_multi_worker_trials_run_deepspeed_on_ray_train_inside_tune(ray_session, tiny_dataset, tmp_path):
     """trial_workers: 2 -> every trial is a 2-worker Ray Train DeepSpeed job; two of them run at once."""
     space = {"deepspeed.zero_stage": {"choice": [1, 3]}, "optim.lr": {"loguniform": [1e-3, 1e-2]}}
@@ -347,6 +356,7 @@ def test_multi_worker_trials_run_deepspeed_on_ray_train_inside_tune(ray_session,
     assert load_config(result.best_recipe).scaling.num_workers == 2  # the best recipe trains as it was swept
 
 
+@pytest.mark.unit
 def test_trial_workers_are_set_by_trial_workers_only():
     with pytest.raises(ConfigError, match="scaling.num_workers"):
         sweep_config_from_dict({"base": "tiny", "set": ["scaling.num_workers=2"], "space": SPACE})
