@@ -513,11 +513,11 @@ def main(argv: list[str] | None = None) -> int:
         args.source,
         args.out,
         args.seq_len,
-        args.val_fraction,
-        args.text_column,
-        args.tokenizer,
-        args.vocab_size,
-        args.bpe_train_bytes,
+        val_fraction=args.val_fraction,
+        text_column=args.text_column,
+        tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size,
+        bpe_train_bytes=args.bpe_train_bytes,
     )
     print(
         f"prepared {manifest['train']['sequences']} train and {manifest['val']['sequences']} validation "

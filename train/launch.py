@@ -233,11 +233,11 @@ def ensure_dataset(cfg: TrainConfig) -> tuple[str, dict]:
             data.source,
             path,
             cfg.model.seq_len,
-            data.val_fraction,
-            data.text_column,
-            data.tokenizer,
-            data.vocab_size,
-            data.bpe_train_bytes,
+            val_fraction=data.val_fraction,
+            text_column=data.text_column,
+            tokenizer=data.tokenizer,
+            vocab_size=data.vocab_size,
+            bpe_train_bytes=data.bpe_train_bytes,
         )
         print(f"{manifest['tokens_per_byte']:.3f} tokens per byte with the {data.tokenizer} tokenizer", flush=True)
     else:
