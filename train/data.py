@@ -25,7 +25,6 @@ from collections.abc import Iterator
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -199,8 +198,7 @@ def bpe_sample(docs, at_most_bytes: int):
     from ray.data.expressions import col
 
     training = col("split") == "train"
-    counts = _columns(docs, ["split", "num_bytes"])
-    train_bytes = pc.sum(counts.filter(pc.equal(counts["split"], "train"))["num_bytes"]).as_py() or 0
+    train_bytes = split_sums(docs, ["num_bytes"])["train"]["num_bytes"]
     if not 0 < at_most_bytes < train_bytes:
         return docs.filter(expr=training)
     print(
@@ -260,7 +258,7 @@ def prepare(
     source = source or default_source()
     with _ray_data_logs_to_file_only():
         docs = split_documents(source, val_fraction, text_column)
-        digests = sorted(_columns(docs, ["digest"])["digest"].to_pylist())
+        source_sha256, documents = fingerprint(docs), docs.count()
         chosen = make_tokenizer(tokenizer, vocab_size, docs, bpe_train_bytes)
         tokens = docs.map_batches(_tokenize, fn_kwargs={"tokenizer": chosen}, batch_format="numpy").materialize()
         # Locally the dataset is written to a sibling and renamed into place, so an interrupted or concurrent
@@ -274,8 +272,7 @@ def prepare(
             if staging != out and storage.exists(staging):
                 storage.delete_dir(staging)
             raise
-    source_sha256 = hashlib.sha256(b"".join(digests)).hexdigest()
-    manifest.update(source_sha256=source_sha256, documents=len(digests), val_fraction=val_fraction)
+    manifest.update(source_sha256=source_sha256, documents=documents, val_fraction=val_fraction)
     storage.write_json(storage.join(staging, MANIFEST), manifest)  # last: it makes the dataset complete
     if staging != out:
         refuse_foreign(out)  # again: something may have appeared there meanwhile
@@ -300,11 +297,47 @@ def refuse_foreign(out: str) -> None:
         )
 
 
-def _columns(ds, names: list[str]) -> pa.Table:
-    """These columns of a Ray Dataset as one Arrow table here: its blocks as they are, without pandas."""
-    import ray
+def fingerprint(docs) -> str:
+    """The SHA-256 of the sum of the documents' digests as 256-bit numbers (of ``split_documents``' documents).
 
-    return pa.concat_tables(ray.get(ds.select_columns(names).to_arrow_refs()))
+    A sum is the same for the same documents in any order, file layout or blocking, and each block sums its own:
+    no digest comes to the driver, where one per document would take gigabytes at 100M documents. (A sum can be
+    matched on purpose; it names a corpus, it does not guard one.)
+    """
+    sums = docs.map_batches(_digest_sum, batch_size=None, batch_format="numpy")
+    total = sum(int.from_bytes(row["digest_sum"]) for row in sums.iter_rows()) % 2**256
+    return hashlib.sha256(total.to_bytes(32)).hexdigest()
+
+
+def _digest_sum(batch: dict) -> dict:
+    # Eight 32-bit limbs per digest, summed per limb in 64 bits: exact for up to 2**32 documents in a block.
+    limbs = np.frombuffer(b"".join(batch["digest"]), dtype=">u4").reshape(-1, 8).astype(np.uint64).sum(axis=0)
+    total = sum(int(limb) << (32 * (7 - i)) for i, limb in enumerate(limbs)) % 2**256
+    return {"digest_sum": [total.to_bytes(32)]}
+
+
+def split_sums(ds, columns: list[str]) -> dict[str, dict[str, int]]:
+    """Per split, how many documents ``ds`` holds and the sum of each of these integer columns over them.
+
+    Each block sums its own documents, so a few numbers per block come to the driver, however many documents
+    there are. (Ray Data's aggregations would take a hash shuffle each: ~8 s.)
+    """
+    sums = ds.map_batches(_block_sums, fn_kwargs={"columns": columns}, batch_size=None, batch_format="numpy")
+    totals = {split: dict.fromkeys(["documents", *columns], 0) for split in SPLITS}
+    for row in sums.iter_rows():
+        for name in totals[row["split"]]:
+            totals[row["split"]][name] += int(row[name])
+    return totals
+
+
+def _block_sums(batch: dict, columns: list[str]) -> dict:
+    rows = {"split": list(SPLITS), "documents": [], **{name: [] for name in columns}}
+    for split in SPLITS:
+        chosen = batch["split"] == split
+        rows["documents"].append(int(chosen.sum()))
+        for name in columns:
+            rows[name].append(int(batch[name][chosen].sum()))
+    return rows
 
 
 def _write_dataset(out: str, tokens, tokenizer: BPETokenizer, seq_len: int, source: str) -> dict:
@@ -314,13 +347,12 @@ def _write_dataset(out: str, tokens, tokenizer: BPETokenizer, seq_len: int, sour
     storage.write_bytes(storage.join(out, PREPARING), b"")  # marks the directory as raywright's from the start
     out_fs, out_path = storage.resolve(out)
     save_tokenizer(tokenizer, out)
-    # One row per document: summed here rather than by Ray Data's aggregations (a hash shuffle each, ~8 s).
-    counts = _columns(tokens, ["split", "num_tokens", "num_bytes"])
+    sums = split_sums(tokens, ["num_tokens", "num_bytes"])
     manifest = {
         "source": source,
         "tokenizer": tokenizer.spec(),
         # End-of-text tokens included: what a loss per token is multiplied by for bits per byte.
-        "tokens_per_byte": pc.sum(counts["num_tokens"]).as_py() / pc.sum(counts["num_bytes"]).as_py(),
+        "tokens_per_byte": sum(s["num_tokens"] for s in sums.values()) / sum(s["num_bytes"] for s in sums.values()),
         "seq_len": seq_len,
     }
     for split in SPLITS:
@@ -328,8 +360,7 @@ def _write_dataset(out: str, tokens, tokenizer: BPETokenizer, seq_len: int, sour
         # Each group of documents is packed on its own (its last partial sequence dropped). The groups are fixed
         # by the documents alone, not by how Ray Data blocked them on this cluster, so the same corpus gives the
         # same sequences on any machine.
-        split_tokens = pc.sum(counts.filter(pc.equal(counts["split"], split))["num_tokens"]).as_py() or 0
-        groups = max(1, -(-split_tokens // TOKENS_PER_PACK))
+        groups = max(1, -(-sums[split]["num_tokens"] // TOKENS_PER_PACK))
         packed = documents.repartition(groups, shuffle=False).map_batches(
             _pack, fn_kwargs={"seq_len": seq_len}, batch_size=None, batch_format="numpy"
         )
