@@ -312,14 +312,46 @@ def test_a_node_without_room_for_the_copy_is_told_so_before_it_copies(tiny_datas
 
 
 @pytest.mark.cluster
-def test_bad_sources_name_the_problem(ray_session, tmp_path):
+def test_bad_sources_name_the_problem(ray_data_console, tmp_path):
     with pytest.raises(ConfigError, match="data.source: cannot read '/no/such/dir': no such file or directory"):
         list_source("/no/such/dir")
     (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
     with pytest.raises(ConfigError, match="matches no files"):
         list_source(f"{tmp_path}/*.parquet")
-    with pytest.raises(ValueError, match="data.text_column: no column 'body'"):
+    with pytest.raises(ConfigError, match="data.text_column: no column 'body'"):
         prepare(str(tmp_path / "a.jsonl"), str(tmp_path / "out"), 8, text_column="body")
+    # Numbers are no text: read as bytes they were 5 zero bytes for 5, and the run trained on them.
+    pq.write_table(pa.table({"body": list(range(100))}), tmp_path / "numbers.parquet")
+    with pytest.raises(ConfigError, match=f"column 'body' of {tmp_path}/numbers.parquet holds int64, not text$"):
+        prepare(str(tmp_path / "numbers.parquet"), str(tmp_path / "out"), 8, text_column="body")
+    # A line that is not JSON: the file and the row, not ~180 lines of Ray Data's failure (to its log only).
+    lines = [json.dumps({"text": doc}) for doc in _documents(5)]
+    (tmp_path / "bad" / "b.jsonl").parent.mkdir()
+    (tmp_path / "bad" / "a.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "bad" / "b.jsonl").write_text("\n".join([*lines[:2], '{"text": "unclosed', *lines[2:]]) + "\n")
+    with pytest.raises(ConfigError, match=f"^data.source: {tmp_path}/bad/b.jsonl is not JSON Lines.* in row 2\\)$"):
+        prepare(f"{tmp_path}/bad", str(tmp_path / "out"), 8)
+    assert ray_data_console.getvalue() == ""
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.cluster
+def test_rows_without_text_are_skipped_as_if_they_were_not_there(ray_session, tmp_path, capsys):
+    docs = _documents()
+    pq.write_table(pa.table({"text": docs}), tmp_path / "all.parquet")
+    pq.write_table(pa.table({"text": [*docs[:10], None, *docs[10:], None]}), tmp_path / "nulls.parquet")
+    with open(tmp_path / "missing.jsonl", "w") as f:  # a line without the column
+        f.writelines(json.dumps({"text": doc} if i != 7 else {"title": doc}) + "\n" for i, doc in enumerate(docs))
+    whole = prepare(str(tmp_path / "all.parquet"), str(tmp_path / "all"), seq_len=32, val_fraction=0.2)
+    assert "skipped" not in capsys.readouterr().out
+    nulls = prepare(str(tmp_path / "nulls.parquet"), str(tmp_path / "nulls"), seq_len=32, val_fraction=0.2)
+    assert f"skipped 2 of 62 rows of {tmp_path}/nulls.parquet: 'text' null or missing" in capsys.readouterr().out
+    assert nulls["documents"] == whole["documents"] == 60
+    assert nulls["source_sha256"] == whole["source_sha256"]
+    for split in ("train", "val"):
+        assert np.array_equal(load_split(str(tmp_path / "nulls"), split), load_split(str(tmp_path / "all"), split))
+    missing = prepare(str(tmp_path / "missing.jsonl"), str(tmp_path / "missing"), seq_len=32, val_fraction=0.2)
+    assert "skipped 1 of 60 rows" in capsys.readouterr().out and missing["documents"] == 59
 
 
 @pytest.mark.unit

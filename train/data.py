@@ -26,6 +26,7 @@ from collections.abc import Iterator
 import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
+import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
 from train import storage
@@ -40,6 +41,8 @@ MANIFEST = "manifest.json"
 TOKENS_PER_PACK = 1 << 24  # documents packed together: a block of ~32 MB of tokens
 PREPARING = ".raywright-dataset"  # written first: a directory holding it is raywright's to replace
 SPLITS = ("train", "val")
+NO_TEXT = "none"  # the split of a row whose text is null (or a JSON line without the column): in neither split
+TEXT_TYPES = (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, pa.types.is_large_binary)
 # Logged by Ray Data before an execution that starts right after another, as prepare's do: Ray's view of free CPUs
 # lags the tasks that just ended (1 of 2 CPUs free right after, both 0.25 s later: measured), so it warns of a
 # hang that does not come.
@@ -124,8 +127,12 @@ def _read_documents(fs: pafs.FileSystem, files: list[str], kind: str, text_colum
         ds = ray.data.read_json(files, filesystem=fs)  # pyarrow's reader takes one JSON object per line
     else:
         ds = ray.data.read_parquet(files, filesystem=fs)
-    if text_column not in ds.columns():
-        raise ValueError(f"data.text_column: no column {text_column!r} in {files[0]}; columns: {ds.columns()}")
+    schema = ds.schema()
+    if text_column not in schema.names:
+        raise ConfigError(f"data.text_column: no column {text_column!r} in {files[0]}; columns: {schema.names}")
+    column_type = schema.types[schema.names.index(text_column)]
+    if not (pa.types.is_null(column_type) or any(is_text(column_type) for is_text in TEXT_TYPES)):
+        raise ConfigError(f"data.text_column: column {text_column!r} of {files[0]} holds {column_type}, not text")
     return ds.select_columns([text_column]).rename_columns({text_column: "text"})
 
 
@@ -133,17 +140,41 @@ def split_documents(source: str, val_fraction: float, text_column: str = "text")
     """The documents of ``source`` as a materialized Ray Dataset: per document its ``text``, ``num_bytes``,
     ``digest`` (SHA-256), ``split`` and ``bpe_draw`` (``bpe_sample``'s)."""
     fs, files, kind = list_source(source)
-    return (
-        _read_documents(fs, files, kind, text_column)
-        .map_batches(_split_documents, fn_kwargs={"val_fraction": val_fraction}, batch_format="numpy")
-        .materialize()
-    )
+    try:
+        return (
+            _read_documents(fs, files, kind, text_column)
+            .map_batches(_split_documents, fn_kwargs={"val_fraction": val_fraction}, batch_format="numpy")
+            .materialize()
+        )
+    except ConfigError:
+        raise
+    except Exception:
+        if kind == "jsonl":  # Ray Data's error does not name the file, and its fallback parser misplaces the line
+            _refuse_bad_json(fs, files)
+        raise
+
+
+def _refuse_bad_json(fs: pafs.FileSystem, files: list[str]) -> None:
+    """A ConfigError naming the first of ``files`` that is not JSON Lines, and pyarrow's account of where."""
+    for path in files:
+        try:
+            with fs.open_input_stream(path) as stream:
+                for _ in pa_json.open_json(stream):
+                    pass
+        except pa.ArrowInvalid as exc:
+            raise ConfigError(f"data.source: {path} is not JSON Lines, one object per line ({exc})") from None
 
 
 def _split_documents(batch: dict, val_fraction: float) -> dict:
     """Per document: its bytes and their count, its content digest, its split and its draw for a BPE's sample."""
     texts, digests, splits, draws = [], [], [], []
     for text in batch["text"]:
+        if text is None:  # kept, to be counted: a digest of zeros adds nothing to the corpus' fingerprint
+            texts.append(b"")
+            digests.append(bytes(32))
+            splits.append(NO_TEXT)
+            draws.append(1.0)
+            continue
         data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
         digest = hashlib.sha256(data).digest()
         texts.append(data)
@@ -214,7 +245,9 @@ def bpe_sample(docs, at_most_bytes: int):
 def _ray_data_logs_to_file_only() -> Iterator[None]:
     """Ray Data's execution plans and progress (~60 lines for the five executions of ``prepare``) go to its log
     file (``logs/ray-data/ray-data.log`` in the Ray session) and not to the console, which keeps Ray Data's
-    warnings less ``LAGGING_NO_CPU_WARNING``. Progress bars on an interactive terminal are not logs: they stay."""
+    warnings less ``LAGGING_NO_CPU_WARNING``. Its errors go to the file only too: each reaches the caller as the
+    exception that stopped the execution (a bad JSON line printed ~180 lines before it). Progress bars on an
+    interactive terminal are not logs: they stay."""
     consoles = [
         handler
         for handler in logging.getLogger("ray.data").handlers
@@ -222,18 +255,18 @@ def _ray_data_logs_to_file_only() -> Iterator[None]:
     ]
     levels = [handler.level for handler in consoles]
 
-    def not_lagging_no_cpu(record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(LAGGING_NO_CPU_WARNING)
+    def warning_for_the_console(record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR and not record.getMessage().startswith(LAGGING_NO_CPU_WARNING)
 
     for handler in consoles:
         handler.setLevel(max(handler.level, logging.WARNING))
-        handler.addFilter(not_lagging_no_cpu)
+        handler.addFilter(warning_for_the_console)
     try:
         yield
     finally:
         for handler, level in zip(consoles, levels, strict=True):
             handler.setLevel(level)
-            handler.removeFilter(not_lagging_no_cpu)
+            handler.removeFilter(warning_for_the_console)
 
 
 def prepare(
@@ -258,7 +291,10 @@ def prepare(
     source = source or default_source()
     with _ray_data_logs_to_file_only():
         docs = split_documents(source, val_fraction, text_column)
-        source_sha256, documents = fingerprint(docs), docs.count()
+        rows, documents = docs.count(), sum(split["documents"] for split in split_sums(docs, []).values())
+        if documents < rows:
+            print(f"skipped {rows - documents:,} of {rows:,} rows of {source}: {text_column!r} null or missing")
+        source_sha256 = fingerprint(docs)
         chosen = make_tokenizer(tokenizer, vocab_size, docs, bpe_train_bytes)
         tokens = docs.map_batches(_tokenize, fn_kwargs={"tokenizer": chosen}, batch_format="numpy").materialize()
         # Locally the dataset is written to a sibling and renamed into place, so an interrupted or concurrent
