@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
+import ray.data
 from ray._common.test_utils import wait_for_condition
 from ray.data._internal.logging import get_log_directory
 
@@ -36,6 +37,7 @@ from train.data import (
 )
 from train.loader import SampleOrder, micro_batch_samples
 from train.schema import ConfigError
+from train.text_files import TextFiles, text_pieces
 from train.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
 
 
@@ -393,3 +395,40 @@ def test_every_world_size_covers_each_global_batch_exactly_once(world_size):
             for i in micro_batch_samples(step, k, rank, world_size, global_batch, micro)
         ]
         assert sorted(seen) == list(range(step * global_batch, (step + 1) * global_batch))
+
+
+class _ShortReads:
+    """A stream that returns at most 7 bytes a read, as a network or decompressing stream may."""
+
+    def __init__(self, data: bytes):
+        self.stream = pa.BufferReader(data)
+
+    def read(self, size: int) -> bytes:
+        return self.stream.read(min(size, 7))
+
+
+@pytest.mark.unit
+def test_a_text_file_larger_than_a_piece_is_read_as_pieces_cut_at_line_ends():
+    rng = random.Random(0)
+    text = b"".join(b"x" * rng.randint(0, 30) + b"\n" for _ in range(60)) + b"no line end at the end"
+    for stream in (pa.BufferReader(text), _ShortReads(text)):
+        pieces = list(text_pieces(stream, piece_bytes=64))
+        assert b"".join(pieces) == text and len(pieces) > len(text) // 64
+        assert all(0 < len(p) <= 64 and p.endswith(b"\n") for p in pieces[:-1])
+    long_line = b"y" * 150 + b"\nend\n"  # longer than a piece: cut mid-line, where no line end is
+    pieces = list(text_pieces(pa.BufferReader(long_line), piece_bytes=64))
+    assert pieces == [b"y" * 64, b"y" * 64, b"y" * 22 + b"\nend\n"]
+    assert list(text_pieces(pa.BufferReader(b"a\n" * 32), piece_bytes=64)) == [b"a\n" * 32]
+    assert list(text_pieces(pa.BufferReader(b""), piece_bytes=64)) == [b""]  # an empty file: one empty document
+
+
+@pytest.mark.cluster
+def test_text_files_are_read_by_ray_data_as_documents_in_file_order(ray_session, tmp_path):
+    files = {"a.txt": b"short\n", "b.txt": b"".join(b"line %d\n" % i for i in range(100)), "c.txt": b""}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    paths = [str(tmp_path / name) for name in files]
+    ray.data.DataContext.get_current().execution_options.preserve_order = True  # as prepare reads
+    rows = ray.data.read_datasource(TextFiles(paths, pafs.LocalFileSystem(), piece_bytes=100)).take_all()
+    pieces = list(text_pieces(pa.BufferReader(files["b.txt"]), piece_bytes=100))
+    assert [row["text"] for row in rows] == [files["a.txt"], *pieces, b""]

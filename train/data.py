@@ -122,7 +122,9 @@ def _read_documents(fs: pafs.FileSystem, files: list[str], kind: str, text_colum
     import ray.data
 
     if kind == "text":
-        return ray.data.read_binary_files(files, filesystem=fs).rename_columns({"bytes": "text"})
+        from train.text_files import TextFiles
+
+        return ray.data.read_datasource(TextFiles(files, filesystem=fs))
     if kind == "jsonl":
         ds = ray.data.read_json(files, filesystem=fs)  # pyarrow's reader takes one JSON object per line
     else:
