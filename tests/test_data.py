@@ -156,11 +156,14 @@ def test_same_documents_as_text_jsonl_and_parquet_give_the_same_source_hash(ray_
         (text_dir / f"doc{i:03}.txt").write_text(doc)
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"body": d}) + "\n" for d in docs))
     pq.write_table(pa.table({"body": docs, "other": list(range(len(docs)))}), tmp_path / "docs.parquet")
+    categories = pa.table({"body": pa.array(docs).dictionary_encode()})  # as pandas writes a category column
+    pq.write_table(categories, tmp_path / "categories.parquet")
 
     manifests = [
         prepare(str(text_dir), str(tmp_path / "out-text"), seq_len=32, val_fraction=0.2),
         prepare(str(tmp_path / "docs.jsonl"), str(tmp_path / "out-jsonl"), 32, 0.2, text_column="body"),
         prepare(str(tmp_path / "docs.parquet"), str(tmp_path / "out-parquet"), 32, 0.2, text_column="body"),
+        prepare(str(tmp_path / "categories.parquet"), str(tmp_path / "out-categories"), 32, 0.2, text_column="body"),
     ]
     assert len({m["source_sha256"] for m in manifests}) == 1
     assert all(m["documents"] == len(docs) for m in manifests)

@@ -42,7 +42,11 @@ TOKENS_PER_PACK = 1 << 24  # documents packed together: a block of ~32 MB of tok
 PREPARING = ".raywright-dataset"  # written first: a directory holding it is raywright's to replace
 SPLITS = ("train", "val")
 NO_TEXT = "none"  # the split of a row whose text is null (or a JSON line without the column): in neither split
-TEXT_TYPES = (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, pa.types.is_large_binary)
+# The Arrow types of a text column (null: a column in which no row has text), dictionary-encoded or not.
+TEXT_TYPES = (
+    pa.types.is_string, pa.types.is_large_string, pa.types.is_string_view,
+    pa.types.is_binary, pa.types.is_large_binary, pa.types.is_binary_view, pa.types.is_null,
+)  # fmt: skip
 # Logged by Ray Data before an execution that starts right after another, as prepare's do: Ray's view of free CPUs
 # lags the tasks that just ended (1 of 2 CPUs free right after, both 0.25 s later: measured), so it warns of a
 # hang that does not come.
@@ -133,7 +137,8 @@ def _read_documents(fs: pafs.FileSystem, files: list[str], kind: str, text_colum
     if text_column not in schema.names:
         raise ConfigError(f"data.text_column: no column {text_column!r} in {files[0]}; columns: {schema.names}")
     column_type = schema.types[schema.names.index(text_column)]
-    if not (pa.types.is_null(column_type) or any(is_text(column_type) for is_text in TEXT_TYPES)):
+    stored_type = column_type.value_type if pa.types.is_dictionary(column_type) else column_type  # pandas' category
+    if not any(is_text(stored_type) for is_text in TEXT_TYPES):
         raise ConfigError(f"data.text_column: column {text_column!r} of {files[0]} holds {column_type}, not text")
     return ds.select_columns([text_column]).rename_columns({text_column: "text"})
 
