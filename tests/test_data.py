@@ -1,3 +1,4 @@
+import gzip
 import hashlib
 import io
 import json
@@ -148,7 +149,7 @@ def test_the_same_corpus_gives_the_same_sequences_on_a_ray_of_another_size(
 
 
 @pytest.mark.cluster
-def test_same_documents_as_text_jsonl_and_parquet_give_the_same_source_hash(ray_session, tmp_path):
+def test_same_documents_as_text_jsonl_and_parquet_compressed_or_not_give_the_same_source_hash(ray_session, tmp_path):
     docs = _documents()
     text_dir = tmp_path / "text"
     text_dir.mkdir()
@@ -156,6 +157,11 @@ def test_same_documents_as_text_jsonl_and_parquet_give_the_same_source_hash(ray_
         (text_dir / f"doc{i:03}.txt").write_text(doc)
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"body": d}) + "\n" for d in docs))
     pq.write_table(pa.table({"body": docs, "other": list(range(len(docs)))}), tmp_path / "docs.parquet")
+    with gzip.open(tmp_path / "docs.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"body": d}) + "\n" for d in docs)
+    (tmp_path / "gzipped").mkdir()
+    for i, doc in enumerate(docs):
+        (tmp_path / "gzipped" / f"doc{i:03}.txt.gz").write_bytes(gzip.compress(doc.encode()))
     categories = pa.table({"body": pa.array(docs).dictionary_encode()})  # as pandas writes a category column
     pq.write_table(categories, tmp_path / "categories.parquet")
 
@@ -164,6 +170,8 @@ def test_same_documents_as_text_jsonl_and_parquet_give_the_same_source_hash(ray_
         prepare(str(tmp_path / "docs.jsonl"), str(tmp_path / "out-jsonl"), 32, 0.2, text_column="body"),
         prepare(str(tmp_path / "docs.parquet"), str(tmp_path / "out-parquet"), 32, 0.2, text_column="body"),
         prepare(str(tmp_path / "categories.parquet"), str(tmp_path / "out-categories"), 32, 0.2, text_column="body"),
+        prepare(str(tmp_path / "docs.jsonl.gz"), str(tmp_path / "out-jsonl-gz"), 32, 0.2, text_column="body"),
+        prepare(str(tmp_path / "gzipped"), str(tmp_path / "out-text-gz"), 32, 0.2),
     ]
     assert len({m["source_sha256"] for m in manifests}) == 1
     assert all(m["documents"] == len(docs) for m in manifests)

@@ -113,7 +113,13 @@ def _files_below(fs: pafs.FileSystem, base: str) -> list[str]:
     ]
 
 
+# Read decompressed (Ray Data's readers go by the extension): `docs.jsonl.gz` is JSON Lines, `notes.txt.zst` text.
+COMPRESSIONS = (".gz", ".bz2", ".br", ".zst", ".lz4", ".snappy")
+
+
 def _kind(path: str) -> str:
+    for compression in COMPRESSIONS:
+        path = path.removesuffix(compression)
     if path.endswith(".parquet"):
         return "parquet"
     if path.endswith((".jsonl", ".json")):
