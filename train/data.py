@@ -151,7 +151,8 @@ def _read_documents(fs: pafs.FileSystem, files: list[str], kind: str, text_colum
 
 def split_documents(source: str, val_fraction: float, text_column: str = "text"):
     """The documents of ``source`` as a materialized Ray Dataset: per document its ``text``, ``num_bytes``,
-    ``digest`` (SHA-256), ``split`` and ``bpe_draw`` (``bpe_sample``'s)."""
+    ``digest`` (SHA-256), ``split`` and ``bpe_draw`` (``bpe_sample``'s); a row without text is in split
+    ``NO_TEXT``, to be counted and left out."""
     fs, files, kind = list_source(source)
     try:
         return (
