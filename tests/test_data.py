@@ -346,6 +346,12 @@ def test_bad_sources_name_the_problem(ray_data_console, tmp_path):
         prepare(f"{tmp_path}/bad", str(tmp_path / "out"), 8)
     assert ray_data_console.getvalue() == ""
     assert not (tmp_path / "out").exists()
+    # One small file is one document, in one split: the other is empty, and the error says why.
+    (tmp_path / "input.txt").write_text("To be, or not to be, that is the question.\n" * 60)
+    empty_train = r"gives no train sequence of 33 tokens: 0 of its 1 documents are in train \("
+    with pytest.raises(ConfigError, match=empty_train):
+        prepare(str(tmp_path / "input.txt"), str(tmp_path / "out"), 32, val_fraction=0.1)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.cluster

@@ -420,8 +420,10 @@ def _write_dataset(out: str, tokens, tokenizer: BPETokenizer, seq_len: int, sour
         manifest[split] = {"shards": shards, "sequences": sequences}
         if manifest[split]["sequences"] == 0:
             raise ConfigError(
-                f"data.source: {source!r} gives no {split} sequence of {seq_len + 1} tokens "
-                f"(give more text, or change data.val_fraction)"
+                f"data.source: {source!r} gives no {split} sequence of {seq_len + 1} tokens: "
+                f"{sums[split]['documents']} of its {sum(s['documents'] for s in sums.values())} documents are in "
+                f"{split} ({sums[split]['num_tokens']} tokens; a document's split comes from its hash, and a text "
+                "file is a document per MiB): give more text or files, or change data.val_fraction"
             )
     return manifest
 
