@@ -162,7 +162,7 @@ def split_documents(source: str, val_fraction: float, text_column: str = "text")
         )
     except ConfigError:
         raise
-    except Exception:
+    except ValueError:  # a parse error (a storage error is not: it is no reason to read the whole corpus again)
         if kind == "jsonl":  # Ray Data's error does not name the file, and its fallback parser misplaces the line
             _refuse_bad_json(fs, files)
         raise
