@@ -27,25 +27,9 @@ import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from p8_loader_memory import peak_rss_mb  # bench/, this script's folder
 
 PER_FILE = 500_000
-MEASURE = """
-import json, sys, time
-import ray
-from train.data import prepare
-
-def peak_mb():
-    status = open("/proc/self/status").read()
-    return int(status.split("VmHWM:")[1].split()[0]) / 1024
-
-ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-before = peak_mb()
-open("/proc/self/clear_refs", "w").write("5")  # the peak from here on (Linux)
-start = time.time()
-manifest = prepare(sys.argv[1], sys.argv[2], seq_len=128)
-growth = peak_mb() - before
-print(json.dumps({"documents": manifest["documents"], "growth_mb": growth, "seconds": time.time() - start}))
-"""
 
 
 def write_corpus(folder: str, documents: int) -> None:
@@ -57,10 +41,24 @@ def write_corpus(folder: str, documents: int) -> None:
         pq.write_table(pa.table({"text": texts}), f"{folder}/docs{part:03}.parquet", row_group_size=50_000)
 
 
+def driver(source: str, out: str) -> None:
+    """Prepare ``source`` on a local Ray; print the growth of this process's peak RSS meanwhile and the time."""
+    import ray
+
+    from train.data import prepare
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak from here on: what Ray's start took is not counted (Linux)
+    before, start = peak_rss_mb(), time.time()
+    manifest = prepare(source, out, seq_len=128)
+    growth = peak_rss_mb() - before
+    print(json.dumps({"documents": manifest["documents"], "growth_mb": growth, "seconds": time.time() - start}))
+
+
 def measure(folder: str, out: str) -> dict:
-    done = subprocess.run(
-        [sys.executable, "-c", MEASURE, f"{folder}/*.parquet", out], capture_output=True, text=True, check=True
-    )
+    command = [sys.executable, __file__, "--driver", f"{folder}/*.parquet", out]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -100,7 +98,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--documents", type=int, default=2_000_000)
     parser.add_argument("--text-file-gb", type=float, help="one text file of this size instead")
+    parser.add_argument("--driver", nargs=2, metavar=("SOURCE", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.driver:
+        driver(*args.driver)
+        return
     if args.text_file_gb:
         measure_text_file(args.text_file_gb)
         return

@@ -354,7 +354,7 @@ def fingerprint(docs) -> str:
     no digest comes to the driver, where one per document would take gigabytes at 100M documents. (A sum can be
     matched on purpose; it names a corpus, it does not guard one.)
     """
-    sums = docs.map_batches(_digest_sum, batch_size=None, batch_format="numpy")
+    sums = docs.select_columns(["digest"]).map_batches(_digest_sum, batch_size=None, batch_format="numpy")
     total = sum(int.from_bytes(row["digest_sum"]) for row in sums.iter_rows()) % 2**256
     return hashlib.sha256(total.to_bytes(32)).hexdigest()
 
@@ -370,9 +370,11 @@ def split_sums(ds, columns: list[str]) -> dict[str, dict[str, int]]:
     """Per split, how many documents ``ds`` holds and the sum of each of these integer columns over them.
 
     Each block sums its own documents, so a few numbers per block come to the driver, however many documents
-    there are. (Ray Data's aggregations would take a hash shuffle each: ~8 s.)
+    there are. (Ray Data's aggregations would take a hash shuffle each: ~8 s.) Only the columns summed are read:
+    a batch of all of them would copy every document's text into a numpy array.
     """
-    sums = ds.map_batches(_block_sums, fn_kwargs={"columns": columns}, batch_size=None, batch_format="numpy")
+    counted = ds.select_columns(["split", *columns])
+    sums = counted.map_batches(_block_sums, fn_kwargs={"columns": columns}, batch_size=None, batch_format="numpy")
     totals = {split: dict.fromkeys(["documents", *columns], 0) for split in SPLITS}
     for row in sums.iter_rows():
         for name in totals[row["split"]]:
