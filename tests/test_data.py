@@ -38,7 +38,7 @@ from train.data import (
 )
 from train.loader import SampleOrder, micro_batch_samples
 from train.schema import ConfigError
-from train.text_files import TextFiles, text_pieces
+from train.text_files import MIN_DOCUMENTS, MIN_PIECE_BYTES, PIECE_BYTES, TextFiles, piece_bytes, text_pieces
 from train.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
 
 
@@ -352,6 +352,51 @@ def test_bad_sources_name_the_problem(ray_data_console, tmp_path):
     with pytest.raises(ConfigError, match=empty_train):
         prepare(str(tmp_path / "input.txt"), str(tmp_path / "out"), 32, val_fraction=0.1)
     assert not (tmp_path / "out").exists()
+
+
+def _split_key(text: str) -> float:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") / 2**64
+
+
+@pytest.mark.cluster
+def test_a_corpus_of_one_file_or_a_few_files_trains_and_validates(ray_session, tmp_path, capsys):
+    # One ~1.2 MB file, as a first try often is: 1 MiB pieces made it 2 documents, most often both in train.
+    rng = random.Random(1)
+    words = ["to", "be", "or", "not", "question", "is"]
+    lines = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(30_000)]
+    (tmp_path / "input.txt").write_text("\n".join(lines))
+    manifest = prepare(str(tmp_path / "input.txt"), str(tmp_path / "one"), 64, val_fraction=0.02)
+    assert MIN_DOCUMENTS <= manifest["documents"] <= MIN_DOCUMENTS + 1
+    sequences = {split: manifest[split]["sequences"] for split in ("train", "val")}
+    assert 0 < sequences["val"] < 0.1 * sum(sequences.values())
+
+    # A few documents, of which the hash puts none in val (or at another fraction, none in train): the split
+    # takes the other's document nearest to it, with its copies, and says so.
+    texts = [f"document {i}: " + "the quick brown fox. " * (i + 20) for i in range(40)]
+    for val_fraction, empty, keep in ((0.02, "val", lambda key: key >= 0.02), (0.45, "train", lambda key: key < 0.45)):
+        few = [text for text in texts if keep(_split_key(text))][:4]
+        nearest = min(few, key=_split_key) if empty == "val" else max(few, key=_split_key)
+        corpus = tmp_path / f"few-{empty}"
+        corpus.mkdir()
+        for i, text in enumerate([*few, nearest]):  # the last, a copy
+            (corpus / f"doc{i}.txt").write_text(text)
+        rows = split_documents(str(corpus), val_fraction).take_all()
+        in_empty = sorted(row["text"].decode() for row in rows if row["split"] == empty)
+        assert in_empty == [nearest, nearest] and len(rows) == 5
+        assert f"{empty}: the hash left it none of the 5 documents; it takes the nearest one" in capsys.readouterr().out
+
+
+@pytest.mark.unit
+def test_a_source_of_few_documents_is_cut_into_smaller_pieces(tmp_path):
+    fs = pafs.LocalFileSystem()
+    (tmp_path / "one.txt").write_bytes(b"x\n" * 600_000)  # 1.2 MB: 2 pieces of 1 MiB, ~MIN_DOCUMENTS of these
+    assert piece_bytes(fs, [str(tmp_path / "one.txt")]) == 1_200_000 // MIN_DOCUMENTS
+    (tmp_path / "small.txt").write_bytes(b"x\n" * 100)
+    assert piece_bytes(fs, [str(tmp_path / "small.txt")]) == MIN_PIECE_BYTES
+    (tmp_path / "large.txt").write_bytes(b"x" * (MIN_DOCUMENTS * PIECE_BYTES))  # documents enough at 1 MiB
+    assert piece_bytes(fs, [str(tmp_path / "large.txt")]) == PIECE_BYTES
+    # As many files as documents wanted: their sizes are not asked (a request each on object storage).
+    assert piece_bytes(fs, [f"{tmp_path}/absent{i}.txt" for i in range(MIN_DOCUMENTS)]) == PIECE_BYTES
 
 
 @pytest.mark.cluster

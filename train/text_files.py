@@ -4,7 +4,8 @@ A file is one document; a file larger than ``PIECE_BYTES`` is several, each cut 
 its piece. Read whole, a 2.3 GB file took one task 19 GB to tokenize, Ray killed it for memory, and retried it
 for ever; and as one document it went whole to one split, leaving the other empty. Pieces of 1 MiB split a
 large file as finely as ``data.val_fraction`` asks, cost an end-of-text token per MiB, and leave every file of
-the default corpus (the largest 0.76 MB) whole. Ray Data's file reader underneath sizes and schedules the read
+the default corpus (the largest 0.76 MB) whole. A source of too few files for that (one 1 MB file, as a first
+try often is) is cut finer: see ``piece_bytes``. Ray Data's file reader underneath sizes and schedules the read
 tasks as ``read_binary_files`` does.
 """
 
@@ -15,6 +16,22 @@ import pyarrow.fs as pafs
 from ray.data.datasource import FileBasedDatasource
 
 PIECE_BYTES = 1 << 20
+# A source of fewer documents is cut into about this many: a split gets one document at least (``train.data``),
+# which is then ~3% of the text or less.
+MIN_DOCUMENTS = 32
+MIN_PIECE_BYTES = 4096  # an end-of-text token every 4 KiB at most
+
+
+def piece_bytes(fs: pafs.FileSystem, files: list[str]) -> int:
+    """``PIECE_BYTES``, or for files that pieces of that size would make fewer than ``MIN_DOCUMENTS`` documents,
+    the size that cuts them into about that many (not under ``MIN_PIECE_BYTES``): as one or two documents, a
+    corpus would go to one split or the other nearly whole."""
+    if len(files) >= MIN_DOCUMENTS:
+        return PIECE_BYTES  # a document a file at least: no file's size need be asked (a request each on S3)
+    sizes = [info.size for info in fs.get_file_info(files)]
+    if sum(max(1, -(-size // PIECE_BYTES)) for size in sizes) >= MIN_DOCUMENTS:
+        return PIECE_BYTES
+    return max(MIN_PIECE_BYTES, sum(sizes) // MIN_DOCUMENTS)
 
 
 def text_pieces(stream: pa.NativeFile, piece_bytes: int = PIECE_BYTES) -> Iterator[bytes]:
