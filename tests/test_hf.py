@@ -162,7 +162,7 @@ def test_a_run_from_a_gpt2_checkpoint_starts_at_its_loss_and_exports_it_back(
             "optim.max_steps=10",
             "optim.warmup_steps=2",
             "run.eval_every=10",
-            "run.eval_samples=32",  # a multiple of workers x micro batch: every row is evaluated
+            "run.eval_samples=32",
         ],
     )
     summary = run_training(cfg)

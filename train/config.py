@@ -191,7 +191,7 @@ class RunConfig(Section):
     eval_every: int = Field(50, ge=1)
     """Steps between validation passes (and one at the end)."""
     eval_samples: int = Field(256, ge=1)
-    """Validation sequences per pass."""
+    """Validation sequences per pass: the split's first ones (all of it, if it holds fewer), at any world size."""
     peak_tflops: float = Field(0.0, ge=0.0)
     """Per-device peak TFLOP/s for MFU; 0 = the known peak of the GPU, none on CPU."""
     ray_address: str = ""
@@ -254,12 +254,6 @@ class TrainConfig(Section):
         optim, scaling = self.optim, self.scaling
         micro = optim.smallest_micro_batch
         check_batch_divides(optim.global_batch_size, micro, scaling.min_workers, scaling.max_workers)
-        # Validation splits run.eval_samples over the workers, a micro batch at a time.
-        if self.run.eval_samples < micro * scaling.max_workers:
-            raise ValueError(
-                f"run.eval_samples ({self.run.eval_samples}) must be >= optim.micro_batch_size "
-                f"({micro}) x {scaling.max_workers} workers (scaling.num_workers)"
-            )
         if self.deepspeed.precision == "fp16" and not self.scaling.use_gpu:
             # DeepSpeed refuses fp16 on most CPUs ("Type fp16 is not supported on your device"), in every worker.
             raise ValueError(

@@ -38,7 +38,7 @@ from train.metrics import (
     peak_tflops,
     report_backlog_warning,
 )
-from train.model import GPT, flops_per_token
+from train.model import GPT, IGNORED_TARGET, flops_per_token
 from train.profiling import StepProfiler
 from train.run_files import JsonlLog
 from train.run_layout import export_uri
@@ -66,19 +66,28 @@ def _mean_over_ranks(total: float | torch.Tensor, count: float, device: torch.de
 
 @torch.no_grad()
 def evaluate(engine, val_rows: np.ndarray, micro_batch: int) -> float:
-    """Mean validation loss. Every rank runs the same number of forward passes (ZeRO-3 needs that)."""
+    """Mean validation loss over every row of ``val_rows``: the same at any world size, however few the rows.
+
+    Rank r takes rows r, r + world, ... Every rank runs the same number of forward passes of whole micro-batches
+    (ZeRO-3 gathers the weights in each, and a compiled model keeps its shapes): a pass short of rows is filled
+    with copies of the first row, whose targets the loss ignores.
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
-    per_rank = len(val_rows) // world // micro_batch * micro_batch
-    if per_rank == 0:
-        raise ValueError(f"run.eval_samples must be >= optim.micro_batch_size x {world} workers")
-    mine = val_rows[rank * per_rank : (rank + 1) * per_rank]
+    mine = val_rows[rank::world]
+    passes = -(-len(val_rows) // (world * micro_batch))
     engine.eval()
     total = torch.zeros((), dtype=torch.float64, device=engine.device)  # read once, not per micro-batch
-    for start in range(0, per_rank, micro_batch):
-        _, loss = engine(*_to_batch(mine[start : start + micro_batch], engine.device))
-        total += loss.detach().double() * micro_batch
+    for start in range(0, passes * micro_batch, micro_batch):
+        rows = mine[start : start + micro_batch]
+        filled = np.concatenate([rows, np.repeat(val_rows[:1], micro_batch - len(rows), axis=0)])
+        tokens, targets = _to_batch(filled, engine.device)
+        targets = targets.clone()  # a view of the tokens, shifted
+        targets[len(rows) :] = IGNORED_TARGET
+        _, loss = engine(tokens, targets)
+        if len(rows):  # a pass of filler alone has no loss (0 / 0)
+            total += loss.detach().double() * len(rows)
     engine.train()
-    return _mean_over_ranks(total, per_rank, engine.device)
+    return _mean_over_ranks(total, len(mine), engine.device)
 
 
 def _val_metrics(val_loss: float, tokens_per_byte: float) -> dict[str, float]:

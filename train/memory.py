@@ -116,11 +116,11 @@ def activation_bytes(cfg: TrainConfig, micro_batch: int) -> int:
 
 def micro_batch_candidates(cfg: TrainConfig) -> list[int]:
     """The micro-batch sizes ``optim.micro_batch_size: auto`` may take, smallest first: they split the global
-    batch and the validation samples at every worker count in range, within ``MAX_MICRO_BATCH_TOKENS``."""
+    batch at every worker count in range, within ``MAX_MICRO_BATCH_TOKENS``."""
     o, s = cfg.optim, cfg.scaling
     if o.micro_batch_size != "auto":
         return [o.micro_batch_size]
-    largest = min(o.global_batch_size, cfg.run.eval_samples) // s.max_workers
+    largest = o.global_batch_size // s.max_workers
     return [
         m
         for m in range(1, largest + 1)

@@ -16,6 +16,8 @@ from torch.utils.checkpoint import checkpoint
 
 from train.model_config import ModelConfig
 
+IGNORED_TARGET = -100  # a target the loss leaves out (padding)
+
 
 class KVCache(Protocol):
     """Where incremental decoding keeps one layer's keys and values (serve/decoder.py holds the implementations)."""
@@ -122,12 +124,15 @@ class GPT(nn.Module):
         return F.dropout(self.tok_emb(tokens) + self.pos_emb(positions), self.cfg.dropout, self.training)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
-        """Logits for ``tokens`` (batch, seq); with ``targets``, also the mean cross-entropy."""
+        """Logits for ``tokens`` (batch, seq); with ``targets``, also the mean cross-entropy over the targets that are
+        not ``IGNORED_TARGET``."""
         # The output projection reuses the embedding matrix (tied weights).
         logits = F.linear(self.hidden_states(tokens), self.tok_emb.weight)
         if targets is None:
             return logits
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
+        loss = F.cross_entropy(
+            logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=IGNORED_TARGET
+        )
         return logits, loss
 
     def num_params(self) -> int:
