@@ -210,6 +210,15 @@ def process_group():
     monkeypatch.undo()
 
 
+def on_ranks(target, world: int, *args) -> dict:
+    """Run ``target(rank, world, port, results, *args)`` in ``world`` new processes joined by gloo at ``port``;
+    the ``results`` they set. Nothing is forked: a fork of this process, a Ray driver, shares its connections."""
+    spawned = torch.multiprocessing.get_context("spawn")
+    results = spawned.Manager().dict()
+    torch.multiprocessing.spawn(target, args=(world, free_port(), results, *args), nprocs=world)
+    return dict(results)
+
+
 @pytest.fixture(scope="session")
 def memorized_export(tmp_path_factory) -> str:
     """A small GPT trained in-process (seconds) to recite MEMORIZED_TEXT, saved as a training export.

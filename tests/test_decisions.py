@@ -1,13 +1,12 @@
 """The per-step decisions of the training loop: plain policies, and the same answer on every rank."""
 
-import socket
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.conftest import on_ranks
 from train.config import load_config
 from train.decisions import RESTART_WAIT_S, Notice, Rank0View, StepPolicy, share_rank0_view
 
@@ -100,8 +99,8 @@ def test_a_restart_request_is_waited_for_once_after_its_checkpoint_and_never_at_
     assert decision.checkpoint == "requested" and not decision.restart_wait_s
 
 
-def _decide_on_rank(rank: int, port: int, results) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+def _decide_on_rank(rank: int, world: int, port: int, results) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     steps = policy("checkpoint.every_steps=0", "checkpoint.every_minutes=1")
     # By rank 1's own clock its last save ended 100 s ago and a time-based checkpoint would be due;
     # by rank 0's, 10 s ago. Deciding on their own clocks, rank 1 would enter a save that rank 0 never joins.
@@ -112,9 +111,4 @@ def _decide_on_rank(rank: int, port: int, results) -> None:
 
 
 def test_ranks_with_different_clocks_decide_alike():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    results = mp.Manager().dict()
-    mp.spawn(_decide_on_rank, args=(port, results), nprocs=2)
-    assert dict(results) == {0: "", 1: ""}
+    assert on_ranks(_decide_on_rank, 2) == {0: "", 1: ""}

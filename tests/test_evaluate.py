@@ -1,14 +1,12 @@
 """Validation loss is the mean over every validation row, at any world size, however few the rows."""
 
-import socket
-
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from tests.conftest import on_ranks
 from train.loop import evaluate
 from train.model import GPT
 from train.model_config import ModelConfig
@@ -41,18 +39,11 @@ def _evaluate_on_rank(rank: int, world: int, port: int, results) -> None:
     dist.destroy_process_group()
 
 
-def _evaluate(world: int) -> dict:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    results = mp.Manager().dict()
-    mp.spawn(_evaluate_on_rank, args=(world, port, results), nprocs=world)
-    return {count: [results[rank, count] for rank in range(world)] for count in COUNTS}
-
-
 def test_the_validation_loss_is_every_rows_mean_at_any_world_size(process_group):
     losses = {1: {count: [evaluate(_model(), _rows(count), MICRO_BATCH)] for count in COUNTS}}
-    losses.update({world: _evaluate(world) for world in (2, 3)})
+    for world in (2, 3):
+        results = on_ranks(_evaluate_on_rank, world)
+        losses[world] = {count: [results[rank, count] for rank in range(world)] for count in COUNTS}
     for count in COUNTS:
         tokens = torch.from_numpy(_rows(count).astype(np.int64))
         with torch.no_grad():
