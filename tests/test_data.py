@@ -90,14 +90,15 @@ def test_a_bpe_trains_on_an_even_sample_of_a_training_split_larger_than_bpe_trai
     corpus.mkdir()
     for i, text in enumerate(_documents(400)):
         (corpus / f"doc{i}.txt").write_text(text)
-    docs = split_documents(str(corpus), val_fraction=0.1)
+    docs, sums = split_documents(str(corpus), val_fraction=0.1)
     training = {row["digest"]: row for row in docs.take_all() if row["split"] == "train"}
     train_bytes = sum(row["num_bytes"] for row in training.values())
+    assert sums["train"] == {"documents": len(training), "num_bytes": train_bytes}
     for at_most in (0, train_bytes):  # no limit, and one the split fits: all of it, nothing said
-        assert {row["digest"] for row in bpe_sample(docs, at_most).take_all()} == training.keys()
+        assert {row["digest"] for row in bpe_sample(docs, train_bytes, at_most).take_all()} == training.keys()
     assert capsys.readouterr().out == ""
 
-    sample = bpe_sample(docs, train_bytes // 4).take_all()
+    sample = bpe_sample(docs, train_bytes, train_bytes // 4).take_all()
     assert {row["digest"] for row in sample} <= training.keys()
     # The documents' hashes choose it apart from their split: a sample by the split's own hash bytes would hold
     # (0.25 - 0.1) / 0.9 of the training bytes, not a quarter.
@@ -380,9 +381,11 @@ def test_a_corpus_of_one_file_or_a_few_files_trains_and_validates(ray_session, t
         corpus.mkdir()
         for i, text in enumerate([*few, nearest]):  # the last, a copy
             (corpus / f"doc{i}.txt").write_text(text)
-        rows = split_documents(str(corpus), val_fraction).take_all()
+        docs, sums = split_documents(str(corpus), val_fraction)
+        rows = docs.take_all()
         in_empty = sorted(row["text"].decode() for row in rows if row["split"] == empty)
         assert in_empty == [nearest, nearest] and len(rows) == 5
+        assert sums[empty]["documents"] == 2 and sums[empty]["num_bytes"] == 2 * len(nearest.encode())
         assert f"{empty}: the hash left it none of the 5 documents; it takes the nearest one" in capsys.readouterr().out
 
 

@@ -154,7 +154,8 @@ def split_documents(source: str, val_fraction: float, text_column: str = "text")
     """The documents of ``source`` as a materialized Ray Dataset: per document its ``text``, ``num_bytes``,
     ``digest`` (SHA-256), ``split`` and ``bpe_draw`` (``bpe_sample``'s); a row without text is in split
     ``NO_TEXT``, to be counted and left out. A split that the hash left empty gets a document
-    (``_fill_an_empty_split``)."""
+    (``_fill_an_empty_split``). Returned with its ``split_sums`` of ``num_bytes``, which its callers need too.
+    """
     fs, files, kind = list_source(source)
     try:
         docs = (
@@ -168,7 +169,7 @@ def split_documents(source: str, val_fraction: float, text_column: str = "text")
         if kind == "jsonl":  # Ray Data's error does not name the file, and its fallback parser misplaces the line
             _refuse_bad_json(fs, files)
         raise
-    return _fill_an_empty_split(docs)
+    return _fill_an_empty_split(docs, split_sums(docs, ["num_bytes"]))
 
 
 def _refuse_bad_json(fs: pafs.FileSystem, files: list[str]) -> None:
@@ -182,72 +183,61 @@ def _refuse_bad_json(fs: pafs.FileSystem, files: list[str]) -> None:
             raise ConfigError(f"data.source: {path} is not JSON Lines, one object per line ({exc})") from None
 
 
-def _fill_an_empty_split(docs):
-    """``docs``, or where the hash left a split empty and the other holds two documents or more, ``docs`` with the
-    other's document nearest the boundary between them (the train document of the lowest key, or the val
-    document of the highest) moved over, copies of it included: no text is in both splits.
+def _fill_an_empty_split(docs, sums: dict[str, dict[str, int]]):
+    """``docs`` and their ``sums``, or where the hash left a split empty and the other holds two documents or more,
+    ``docs`` with the other's document nearest the boundary between them (the train document of the lowest key, or
+    the val document of the highest) moved over, copies of it included: no text is in both splits.
 
     A corpus of a few documents then trains and validates: 40 files hold no val document 44% of the time at
     ``data.val_fraction`` 0.02. The split stays a function of the corpus alone.
     """
-    ends = docs.select_columns(["split", "digest"]).map_batches(_split_ends, batch_size=None, batch_format="numpy")
-    documents, lowest, highest = dict.fromkeys(SPLITS, 0), {}, {}
-    for row in ends.iter_rows():
-        split = row["split"]
-        documents[split] += row["documents"]
-        if row["documents"]:
-            lowest[split] = min(lowest.get(split, 2**64), row["lowest_key"])
-            highest[split] = max(highest.get(split, -1), row["highest_key"])
+    documents = {split: sums[split]["documents"] for split in SPLITS}
     if documents["val"] == 0 and documents["train"] >= 2:
-        key, moved_to = lowest["train"], "val"
+        taken_from, moved_to, nearest = "train", "val", min
     elif documents["train"] == 0 and documents["val"] >= 2:
-        key, moved_to = highest["val"], "train"
+        taken_from, moved_to, nearest = "val", "train", max
     else:
-        return docs
+        return docs, sums
     print(f"{moved_to}: the hash left it none of the {sum(documents.values())} documents; it takes the nearest one")
+    ends = docs.select_columns(["split", "digest"]).map_batches(
+        _split_ends, fn_kwargs={"split": taken_from, "nearest": nearest}, batch_size=None, batch_format="numpy"
+    )
+    key = nearest(int(row["key"]) for row in ends.iter_rows())
     moved = docs.map_batches(_move_document, fn_kwargs={"key": key, "to": moved_to}, batch_format="numpy")
-    return moved.materialize()
+    moved = moved.materialize()
+    return moved, split_sums(moved, ["num_bytes"])
 
 
-def _split_keys(digests) -> np.ndarray:
-    """The number in [0, 2**64) that chose each document's split: its digest's first 8 bytes."""
-    return np.frombuffer(b"".join(digests), dtype=">u8").reshape(-1, 4)[:, 0]
+def _digest_words(digests) -> np.ndarray:
+    """Each SHA-256 digest as four big-endian numbers in [0, 2**64): the first chooses the document's split (its
+    split key), the second its draw for a BPE's sample, apart from the split."""
+    return np.frombuffer(b"".join(digests), dtype=">u8").reshape(-1, 4)
 
 
-def _split_ends(batch: dict) -> dict:
-    keys = _split_keys(batch["digest"])
-    chosen = [keys[batch["split"] == split] for split in SPLITS]
-    return {
-        "split": list(SPLITS),
-        "documents": [len(k) for k in chosen],
-        "lowest_key": np.array([k.min() if len(k) else 0 for k in chosen], np.uint64),
-        "highest_key": np.array([k.max() if len(k) else 0 for k in chosen], np.uint64),
-    }
+def _split_ends(batch: dict, split: str, nearest) -> dict:
+    """The ``nearest`` (min or max) split key of the block's documents in ``split``, if it holds any."""
+    keys = _digest_words(batch["digest"])[:, 0][batch["split"] == split]
+    return {"key": np.array([nearest(keys)] if len(keys) else [], np.uint64)}
 
 
 def _move_document(batch: dict, key: int, to: str) -> dict:
-    moving = (_split_keys(batch["digest"]) == key) & (batch["split"] != NO_TEXT)
+    moving = (_digest_words(batch["digest"])[:, 0] == key) & (batch["split"] != NO_TEXT)
     batch["split"] = np.where(moving, to, batch["split"])
     return batch
 
 
 def _split_documents(batch: dict, val_fraction: float) -> dict:
     """Per document: its bytes and their count, its content digest, its split and its draw for a BPE's sample."""
-    texts, digests, splits, draws = [], [], [], []
+    texts, digests = [], []
     for text in batch["text"]:
-        if text is None:  # kept, to be counted: a digest of zeros adds nothing to the corpus' fingerprint
-            texts.append(b"")
-            digests.append(bytes(32))
-            splits.append(NO_TEXT)
-            draws.append(1.0)
-            continue
-        data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
-        digest = hashlib.sha256(data).digest()
+        data = b"" if text is None else text.encode("utf-8") if isinstance(text, str) else bytes(text)
         texts.append(data)
-        digests.append(digest)
-        # The first 8 digest bytes as a uniform number in [0, 1) choose the split.
-        splits.append("val" if int.from_bytes(digest[:8], "big") / 2**64 < val_fraction else "train")
-        draws.append(int.from_bytes(digest[8:16], "big") / 2**64)  # the next 8: apart from the split
+        # A row without text is kept, to be counted: a digest of zeros adds nothing to the corpus' fingerprint.
+        digests.append(bytes(32) if text is None else hashlib.sha256(data).digest())
+    has_text = np.array([text is not None for text in batch["text"]], dtype=bool)
+    numbers = _digest_words(digests)[:, :2] / 2**64  # uniform in [0, 1)
+    splits = np.where(~has_text, NO_TEXT, np.where(numbers[:, 0] < val_fraction, "val", "train"))
+    draws = np.where(has_text, numbers[:, 1], 1.0)
     num_bytes = [len(text) for text in texts]
     return {"text": texts, "num_bytes": num_bytes, "digest": digests, "split": splits, "bpe_draw": draws}
 
@@ -274,28 +264,28 @@ def _pack(batch: dict, seq_len: int) -> pa.Table:
     return pa.table({"tokens": pa.FixedSizeListArray.from_arrays(flat, seq_len + 1)})
 
 
-def make_tokenizer(choice: str, vocab_size: int, docs, bpe_train_bytes: int) -> BPETokenizer:
-    """``data.tokenizer``: ``byte``, ``bpe`` (trained here on the training split of ``docs``, or on a sample of
-    about ``bpe_train_bytes`` of it where it holds more; 0: all of it), or a path."""
+def make_tokenizer(choice: str, vocab_size: int, docs, train_bytes: int, bpe_train_bytes: int) -> BPETokenizer:
+    """``data.tokenizer``: ``byte``, ``bpe`` (trained here on the training split of ``docs``, ``train_bytes`` long,
+    or on a sample of about ``bpe_train_bytes`` of it where it holds more; 0: all of it), or a path."""
     if choice == "byte":
         return ByteTokenizer()
     if choice == "bpe":
         texts = (
             bytes(text).decode("utf-8", errors="replace")
-            for batch in bpe_sample(docs, bpe_train_bytes).iter_batches(batch_format="numpy")
+            for batch in bpe_sample(docs, train_bytes, bpe_train_bytes).iter_batches(batch_format="numpy")
             for text in batch["text"]
         )
         return train_bpe(texts, vocab_size)
     return load_tokenizer(choice)
 
 
-def bpe_sample(docs, at_most_bytes: int):
-    """The documents (of ``split_documents``) that a BPE trains on: the training split, or where it holds more than
-    ``at_most_bytes`` (0: no limit), an even sample of about that many bytes of it, said in one line."""
+def bpe_sample(docs, train_bytes: int, at_most_bytes: int):
+    """The documents (of ``split_documents``) that a BPE trains on: the training split (``train_bytes`` long), or
+    where it holds more than ``at_most_bytes`` (0: no limit), an even sample of about that many bytes of it, said in
+    one line."""
     from ray.data.expressions import col
 
     training = col("split") == "train"
-    train_bytes = split_sums(docs, ["num_bytes"])["train"]["num_bytes"]
     if not 0 < at_most_bytes < train_bytes:
         return docs.filter(expr=training)
     print(
@@ -356,12 +346,12 @@ def prepare(
     ray.data.DataContext.get_current().execution_options.preserve_order = True  # reproducible shards
     source = source or default_source()
     with _ray_data_logs_to_file_only():
-        docs = split_documents(source, val_fraction, text_column)
-        rows, documents = docs.count(), sum(split["documents"] for split in split_sums(docs, []).values())
+        docs, sums = split_documents(source, val_fraction, text_column)
+        rows, documents = docs.count(), sum(split["documents"] for split in sums.values())
         if documents < rows:
             print(f"skipped {rows - documents:,} of {rows:,} rows of {source}: {text_column!r} null or missing")
         source_sha256 = fingerprint(docs)
-        chosen = make_tokenizer(tokenizer, vocab_size, docs, bpe_train_bytes)
+        chosen = make_tokenizer(tokenizer, vocab_size, docs, sums["train"]["num_bytes"], bpe_train_bytes)
         tokens = docs.map_batches(_tokenize, fn_kwargs={"tokenizer": chosen}, batch_format="numpy").materialize()
         # Locally the dataset is written to a sibling and renamed into place, so an interrupted or concurrent
         # preparation never leaves a half-written one at ``out``; object storage has no rename: written in place.
