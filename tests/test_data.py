@@ -445,6 +445,10 @@ def test_sample_order_is_a_pure_function_of_seed_epoch_and_index():
     assert np.array_equal(fresh.rows(range(15, 20)), first_two_epochs[15:20])
     assert np.array_equal(fresh.rows(range(0, 5)), first_two_epochs[0:5])
     assert not np.array_equal(SampleOrder(10, seed=4).rows(range(10)), first_two_epochs[:10])
+    # The order runs have always had (a checkpoint's data position means the same rows), held in 32 bits.
+    many = SampleOrder(100_003, seed=7)
+    assert many.permutation(2).dtype == np.int32
+    assert np.array_equal(many.permutation(2), np.random.default_rng([7, 2]).permutation(100_003))
 
 
 @pytest.mark.unit
