@@ -202,6 +202,7 @@ def _fill_an_empty_split(docs, sums: dict[str, dict[str, int]]):
     ends = docs.select_columns(["split", "digest"]).map_batches(
         _split_ends, fn_kwargs={"split": taken_from, "nearest": nearest}, batch_size=None, batch_format="numpy"
     )
+    # Python ints and the builtin: numpy would turn a list of keys of 2**63 and over into float64 (not exact).
     key = nearest(int(row["key"]) for row in ends.iter_rows())
     moved = docs.map_batches(_move_document, fn_kwargs={"key": key, "to": moved_to}, batch_format="numpy")
     moved = moved.materialize()
