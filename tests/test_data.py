@@ -387,6 +387,14 @@ def test_a_corpus_of_one_file_or_a_few_files_trains_and_validates(ray_session, t
         assert in_empty == [nearest, nearest] and len(rows) == 5
         assert sums[empty]["documents"] == 2 and sums[empty]["num_bytes"] == 2 * len(nearest.encode())
         assert f"{empty}: the hash left it none of the 5 documents; it takes the nearest one" in capsys.readouterr().out
+    # Copies of one text alone: there is nothing to share, and the error says which split the hash left empty.
+    for i in range(3):
+        (tmp_path / "copies" / f"doc{i}.txt").parent.mkdir(exist_ok=True)
+        (tmp_path / "copies" / f"doc{i}.txt").write_text(texts[0])
+    empty = "val" if _split_key(texts[0]) >= 0.02 else "train"
+    with pytest.raises(ConfigError, match=f"gives no {empty} sequence of 65 tokens: 0 of its 3 documents are in"):
+        prepare(str(tmp_path / "copies"), str(tmp_path / "out-copies"), 64, val_fraction=0.02)
+    assert "takes the nearest one" not in capsys.readouterr().out
 
 
 @pytest.mark.unit

@@ -184,9 +184,9 @@ def _refuse_bad_json(fs: pafs.FileSystem, files: list[str]) -> None:
 
 
 def _fill_an_empty_split(docs, sums: dict[str, dict[str, int]]):
-    """``docs`` and their ``sums``, or where the hash left a split empty and the other holds two documents or more,
-    ``docs`` with the other's document nearest the boundary between them (the train document of the lowest key, or
-    the val document of the highest) moved over, copies of it included: no text is in both splits.
+    """``docs`` and their ``sums``, or where the hash left a split empty and the other holds two different texts or
+    more, ``docs`` with the other's document nearest the boundary between them (the train document of the lowest
+    key, or the val document of the highest) moved over, copies of it included: no text is in both splits.
 
     A corpus of a few documents then trains and validates: 40 files hold no val document 44% of the time at
     ``data.val_fraction`` 0.02. The split stays a function of the corpus alone.
@@ -198,7 +198,6 @@ def _fill_an_empty_split(docs, sums: dict[str, dict[str, int]]):
         taken_from, moved_to, nearest = "val", "train", max
     else:
         return docs, sums
-    print(f"{moved_to}: the hash left it none of the {sum(documents.values())} documents; it takes the nearest one")
     ends = docs.select_columns(["split", "digest"]).map_batches(
         _split_ends, fn_kwargs={"split": taken_from, "nearest": nearest}, batch_size=None, batch_format="numpy"
     )
@@ -206,7 +205,11 @@ def _fill_an_empty_split(docs, sums: dict[str, dict[str, int]]):
     key = nearest(int(row["key"]) for row in ends.iter_rows())
     moved = docs.map_batches(_move_document, fn_kwargs={"key": key, "to": moved_to}, batch_format="numpy")
     moved = moved.materialize()
-    return moved, split_sums(moved, ["num_bytes"])
+    moved_sums = split_sums(moved, ["num_bytes"])
+    if moved_sums[taken_from]["documents"] == 0:  # copies of one text, all: moved, they would empty the other split
+        return docs, sums
+    print(f"{moved_to}: the hash left it none of the {sum(documents.values())} documents; it takes the nearest one")
+    return moved, moved_sums
 
 
 def _digest_words(digests) -> np.ndarray:
@@ -468,7 +471,7 @@ def _write_dataset(out: str, tokens, tokenizer: BPETokenizer, seq_len: int, sour
                 f"data.source: {source!r} gives no {split} sequence of {seq_len + 1} tokens: "
                 f"{sums[split]['documents']} of its {sum(s['documents'] for s in sums.values())} documents are in "
                 f"{split} ({sums[split]['num_tokens']} tokens; a document's split comes from its hash, and each split "
-                "gets one where there are two): give more text or files, or change data.val_fraction"
+                "gets one where there are two different texts): give more text or files, or change data.val_fraction"
             )
     return manifest
 
