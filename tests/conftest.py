@@ -213,10 +213,10 @@ def process_group():
 def on_ranks(target, world: int, *args) -> dict:
     """Run ``target(rank, world, port, results, *args)`` in ``world`` new processes joined by gloo at ``port``;
     the ``results`` they set. Nothing is forked: a fork of this process, a Ray driver, shares its connections."""
-    spawned = torch.multiprocessing.get_context("spawn")
-    results = spawned.Manager().dict()
-    torch.multiprocessing.spawn(target, args=(world, free_port(), results, *args), nprocs=world)
-    return dict(results)
+    with torch.multiprocessing.get_context("spawn").Manager() as manager:  # its process ends with the call
+        results = manager.dict()
+        torch.multiprocessing.spawn(target, args=(world, free_port(), results, *args), nprocs=world)
+        return dict(results)
 
 
 @pytest.fixture(scope="session")

@@ -388,8 +388,8 @@ def test_a_corpus_of_one_file_or_a_few_files_trains_and_validates(ray_session, t
         assert sums[empty]["documents"] == 2 and sums[empty]["num_bytes"] == 2 * len(nearest.encode())
         assert f"{empty}: the hash left it none of the 5 documents; it takes the nearest one" in capsys.readouterr().out
     # Copies of one text alone: there is nothing to share, and the error says which split the hash left empty.
+    (tmp_path / "copies").mkdir()
     for i in range(3):
-        (tmp_path / "copies" / f"doc{i}.txt").parent.mkdir(exist_ok=True)
         (tmp_path / "copies" / f"doc{i}.txt").write_text(texts[0])
     empty = "val" if _split_key(texts[0]) >= 0.02 else "train"
     with pytest.raises(ConfigError, match=f"gives no {empty} sequence of 65 tokens: 0 of its 3 documents are in"):
