@@ -25,6 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from train.manifest import Manifest, SplitShards, write_manifest
 from train.tokenizer import ByteTokenizer, save_tokenizer
 
 SEQ_LEN = 1024
@@ -50,17 +51,18 @@ def write_dataset(out: str, rows: int, seq_len: int = SEQ_LEN) -> None:
     pq.write_table(pa.table({"tokens": val}), f"{out}/val/00000.parquet")
     tokenizer = ByteTokenizer()
     save_tokenizer(tokenizer, out)
-    manifest = {
-        "source": "random",
-        "source_sha256": "random",
-        "tokenizer": tokenizer.spec(),
-        "tokens_per_byte": 1.0,
-        "seq_len": seq_len,
-        "train": {"shards": shards, "sequences": rows},
-        "val": {"shards": ["val/00000.parquet"], "sequences": 64},
-    }
-    with open(f"{out}/manifest.json", "w") as f:
-        json.dump(manifest, f)
+    manifest = Manifest(
+        source="random",
+        source_sha256="random",
+        documents=rows,
+        val_fraction=64 / (rows + 64),
+        tokenizer=tokenizer.spec(),
+        tokens_per_byte=1.0,
+        seq_len=seq_len,
+        train=SplitShards(shards=shards, sequences=rows),
+        val=SplitShards(shards=["val/00000.parquet"], sequences=64),
+    )
+    write_manifest(out, manifest)
 
 
 def peak_rss_mb() -> float:

@@ -53,7 +53,7 @@ def driver(source: str, out: str) -> None:
     before, start = peak_rss_mb(), time.time()
     manifest = prepare(source, out, seq_len=128)
     growth = peak_rss_mb() - before
-    print(json.dumps({"documents": manifest["documents"], "growth_mb": growth, "seconds": time.time() - start}))
+    print(json.dumps({"documents": manifest.documents, "growth_mb": growth, "seconds": time.time() - start}))
 
 
 def measure(folder: str, out: str) -> dict:

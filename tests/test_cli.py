@@ -38,6 +38,7 @@ CASES = [
     ("train --config small", "scaling.use_gpu"),  # a laptop has no GPU and a local Ray cannot add one
     ("train --set data.source={tmp}/no-such-corpus", "data.source"),
     ("train --set data.path={tmp}/users-own", "data.path"),
+    ("train --set data.path={tmp}/damaged", "damaged/manifest.json is not a manifest this raywright reads (source:"),
     ("train --set run.storage_path=s3://raywright-no-such-bucket/runs", "run.storage_path"),
     ("train --set run.storage_path={tmp}/resumed --set model.n_layer=3", "model.n_layer 2 -> 3"),
     ("train --set run.storage_path={tmp}/owned", f"being trained by another driver (pid {os.getpid()}"),
@@ -85,6 +86,8 @@ def answers(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     owner = {"host": socket.gethostname(), "pid": os.getpid(), "token": "live", "heartbeat": time.time() + 600}
     (tmp / "owned" / "tiny").mkdir(parents=True)
     (tmp / "owned" / "tiny" / "lease.json").write_text(json.dumps(owner))  # a live driver of run "tiny"
+    (tmp / "damaged").mkdir()  # a manifest edited by hand
+    (tmp / "damaged" / "manifest.json").write_text(json.dumps({"seq_len": 128, "train": {"sequences": 283}}))
     (tmp / "users-own").mkdir()
     (tmp / "users-own" / "notes.txt").write_text("mine")
     # Object storage that cannot be reached (a closed port) and no instance metadata to ask for credentials.

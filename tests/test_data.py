@@ -31,12 +31,12 @@ from train.data import (
     bpe_sample,
     dataset_path,
     list_source,
-    load_manifest,
     load_split,
     prepare,
     split_documents,
 )
 from train.loader import SampleOrder, micro_batch_samples
+from train.manifest import load_manifest
 from train.schema import ConfigError
 from train.text_files import MIN_DOCUMENTS, MIN_PIECE_BYTES, PIECE_BYTES, TextFiles, piece_bytes, text_pieces
 from train.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
@@ -52,9 +52,9 @@ def _documents(n: int = 60) -> list[str]:
 def test_prepared_sequences_are_the_corpus_bytes(tiny_dataset, corpus_dir):
     manifest = load_manifest(tiny_dataset)
     train, val = load_split(tiny_dataset, "train"), load_split(tiny_dataset, "val")
-    assert train.shape == (manifest["train"]["sequences"], manifest["seq_len"] + 1)
-    assert val.shape[0] == manifest["val"]["sequences"] > 0
-    assert manifest["documents"] == len(list(corpus_dir.rglob("*.py")))
+    assert train.shape == (manifest.train.sequences, manifest.seq_len + 1)
+    assert val.shape[0] == manifest.val.sequences > 0
+    assert manifest.documents == len(list(corpus_dir.rglob("*.py")))
     corpus = b"".join(p.read_bytes() for p in corpus_dir.rglob("*.py"))
     tokenizer = ByteTokenizer()
     for row in (train[0], train[len(train) // 2], val[0]):
@@ -68,10 +68,10 @@ def test_bpe_prepare_reports_tokens_per_byte_and_its_tokenizer_is_reusable_by_pa
     out = str(tmp_path / "bpe")
     manifest = prepare(f"{corpus_dir}/**/*.py", out, seq_len=64, val_fraction=0.1, tokenizer="bpe", vocab_size=1024)
     tokenizer = load_tokenizer(out)
-    assert manifest["tokenizer"] == tokenizer.spec() and tokenizer.vocab_size == 1024
+    assert manifest.tokenizer == tokenizer.spec() and tokenizer.vocab_size == 1024
     # Python source compresses to well under half a token per byte; the byte tokenizer is 1 (+ end-of-text).
-    assert manifest["tokens_per_byte"] < 0.5 < 1.0 < load_manifest(tiny_dataset)["tokens_per_byte"] < 1.01
-    assert manifest["source_sha256"] == load_manifest(tiny_dataset)["source_sha256"]
+    assert manifest.tokens_per_byte < 0.5 < 1.0 < load_manifest(tiny_dataset).tokens_per_byte < 1.01
+    assert manifest.source_sha256 == load_manifest(tiny_dataset).source_sha256
     corpus = b"".join(p.read_bytes() for p in corpus_dir.rglob("*.py"))
     rows = load_split(out, "train")
     assert rows.shape[1] == 65 and rows[:].max() < 1024
@@ -80,7 +80,7 @@ def test_bpe_prepare_reports_tokens_per_byte_and_its_tokenizer_is_reusable_by_pa
             assert piece in corpus
     # Preparing with that tokenizer file gives the same sequences: a tokenizer is reusable by path.
     again = prepare(f"{corpus_dir}/**/*.py", str(tmp_path / "again"), 64, 0.1, tokenizer=f"{out}/tokenizer.json")
-    assert again["tokenizer"] == manifest["tokenizer"]
+    assert again.tokenizer == manifest.tokenizer
     assert np.array_equal(load_split(str(tmp_path / "again"), "train"), rows)
 
 
@@ -174,8 +174,8 @@ def test_same_documents_as_text_jsonl_and_parquet_compressed_or_not_give_the_sam
         prepare(str(tmp_path / "docs.jsonl.gz"), str(tmp_path / "out-jsonl-gz"), 32, 0.2, text_column="body"),
         prepare(str(tmp_path / "gzipped"), str(tmp_path / "out-text-gz"), 32, 0.2),
     ]
-    assert len({m["source_sha256"] for m in manifests}) == 1
-    assert all(m["documents"] == len(docs) for m in manifests)
+    assert len({m.source_sha256 for m in manifests}) == 1
+    assert all(m.documents == len(docs) for m in manifests)
     # Preparing again gives identical sequences, in the same order.
     first = {split: load_split(str(tmp_path / "out-text"), split) for split in ("train", "val")}
     prepare(str(text_dir), str(tmp_path / "out-text"), seq_len=32, val_fraction=0.2)
@@ -239,7 +239,7 @@ def test_a_directory_raywright_did_not_write_is_never_overwritten(ray_session, c
     out = tmp_path / "prepared"
     prepare(f"{corpus_dir}/email/**/*.py", str(out), seq_len=32, val_fraction=0.2)
     prepare(f"{corpus_dir}/email/**/*.py", str(out), seq_len=16, val_fraction=0.2)
-    assert load_manifest(str(out))["seq_len"] == 16
+    assert load_manifest(str(out)).seq_len == 16
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mycorpus", "prepared"]
 
 
@@ -302,7 +302,7 @@ def test_a_copy_cut_short_leaves_no_partial_file_on_the_node(tiny_dataset, tmp_p
     copier.wait()
 
     monkeypatch.setattr(tempfile, "tempdir", str(node_tmp))
-    (shard,) = load_manifest(str(dataset))["train"]["shards"][-1:]
+    (shard,) = load_manifest(str(dataset)).train.shards[-1:]
     (dataset / shard).write_bytes(b"not parquet")
     with pytest.raises(pa.ArrowInvalid):
         load_split(str(dataset), "train")
@@ -367,8 +367,8 @@ def test_a_corpus_of_one_file_or_a_few_files_trains_and_validates(ray_session, t
     lines = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(30_000)]
     (tmp_path / "input.txt").write_text("\n".join(lines))
     manifest = prepare(str(tmp_path / "input.txt"), str(tmp_path / "one"), 64, val_fraction=0.02)
-    assert MIN_DOCUMENTS <= manifest["documents"] <= MIN_DOCUMENTS + 1
-    sequences = {split: manifest[split]["sequences"] for split in ("train", "val")}
+    assert MIN_DOCUMENTS <= manifest.documents <= MIN_DOCUMENTS + 1
+    sequences = {split: manifest.split(split).sequences for split in ("train", "val")}
     assert 0 < sequences["val"] < 0.1 * sum(sequences.values())
 
     # A few documents, of which the hash puts none in val (or at another fraction, none in train): the split
@@ -421,12 +421,12 @@ def test_rows_without_text_are_skipped_as_if_they_were_not_there(ray_session, tm
     assert "skipped" not in capsys.readouterr().out
     nulls = prepare(str(tmp_path / "nulls.parquet"), str(tmp_path / "nulls"), seq_len=32, val_fraction=0.2)
     assert f"skipped 2 of 62 rows of {tmp_path}/nulls.parquet: 'text' null or missing" in capsys.readouterr().out
-    assert nulls["documents"] == whole["documents"] == 60
-    assert nulls["source_sha256"] == whole["source_sha256"]
+    assert nulls.documents == whole.documents == 60
+    assert nulls.source_sha256 == whole.source_sha256
     for split in ("train", "val"):
         assert np.array_equal(load_split(str(tmp_path / "nulls"), split), load_split(str(tmp_path / "all"), split))
     missing = prepare(str(tmp_path / "missing.jsonl"), str(tmp_path / "missing"), seq_len=32, val_fraction=0.2)
-    assert "skipped 1 of 60 rows" in capsys.readouterr().out and missing["documents"] == 59
+    assert "skipped 1 of 60 rows" in capsys.readouterr().out and missing.documents == 59
 
 
 @pytest.mark.unit

@@ -11,9 +11,9 @@ import torch
 
 from train import checkpoint, storage
 from train.config import load_config
-from train.data import load_manifest
 from train.launch import ELASTIC_SUMMARY, loop_args, run_training, run_uri
 from train.loop import DivergedError, train_loop
+from train.manifest import load_manifest
 from train.metrics import read_metrics
 from train.run_layout import export_uri
 

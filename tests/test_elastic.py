@@ -25,9 +25,10 @@ from ray._common.test_utils import wait_for_condition
 
 from cluster.drain import drain_node
 from train.config import load_config
-from train.data import load_manifest, prepare
+from train.data import prepare
 from train.launch import run_training, run_uri
 from train.loader import SampleOrder
+from train.manifest import load_manifest
 from train.timeline import progress_of
 
 pytestmark = pytest.mark.cluster
@@ -127,7 +128,7 @@ def _step_log(cfg) -> dict[int, dict]:
 
 def _epoch_steps(dataset: str) -> int:
     """One full epoch, and a step into the next (straddling the two, or not)."""
-    return load_manifest(dataset)["train"]["sequences"] // GLOBAL_BATCH + 1
+    return load_manifest(dataset).train.sequences // GLOBAL_BATCH + 1
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +144,7 @@ def fixed_size_log(worker_nodes, elastic_dataset, tmp_path_factory) -> dict[int,
 def test_shrink_grow_and_preemption_keep_the_numbers_exact(
     stage, ray_cluster, worker_nodes, node_disks, elastic_dataset, fixed_size_log, tmp_path
 ):
-    rows = load_manifest(elastic_dataset)["train"]["sequences"]
+    rows = load_manifest(elastic_dataset).train.sequences
     max_steps = _epoch_steps(elastic_dataset)
     cfg = _config(elastic_dataset, str(tmp_path), f"elastic{stage}", stage, "[2,3]", max_steps)
     # The run starts at 3 workers: the node the stage before added in place of its pre-empted one must be up, and

@@ -13,10 +13,10 @@ from ray._common.test_utils import wait_for_condition
 from tests.conftest import training_worker_pids
 from train import checkpoint, storage
 from train.config import load_config
-from train.data import load_manifest
 from train.launch import ELASTIC_SUMMARY, loop_args, record_trained_run, run_training, run_uri
 from train.lease import LEASE
 from train.loop import train_loop
+from train.manifest import load_manifest
 from train.metrics import read_metrics
 from train.timeline import TIMELINE, RunTimeline, progress_of
 

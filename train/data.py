@@ -33,15 +33,14 @@ import pyarrow.parquet as pq
 from train import storage
 from train.cli import OneLineParser, config_errors_exit_2, setting_type
 from train.config import BPE_TRAIN_BYTES, DataConfig, TrainConfig, tokenizer_setting
+from train.manifest import MANIFEST, SPLITS, Manifest, SplitShards, load_manifest, prepared_manifest, write_manifest
 from train.model_config import ModelConfig
 from train.schema import ConfigError
 from train.split_rows import SplitRows
 from train.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer, save_tokenizer, train_bpe
 
-MANIFEST = "manifest.json"
 TOKENS_PER_PACK = 1 << 24  # documents packed together: a block of ~32 MB of tokens
 PREPARING = ".raywright-dataset"  # written first: a directory holding it is raywright's to replace
-SPLITS = ("train", "val")
 NO_TEXT = "none"  # the split of a row whose text is null (or a JSON line without the column): in neither split
 # The Arrow types of a text column (null: a column in which no row has text), dictionary-encoded or not.
 TEXT_TYPES = (
@@ -338,7 +337,7 @@ def prepare(
     tokenizer: str = "byte",
     vocab_size: int = 4096,
     bpe_train_bytes: int = BPE_TRAIN_BYTES,
-) -> dict:
+) -> Manifest:
     """Tokenize ``source`` into Parquet shards under ``out`` and return the manifest.
 
     ``tokenizer``, ``vocab_size`` and ``bpe_train_bytes`` are ``data.tokenizer``, ``data.vocab_size`` and
@@ -363,13 +362,22 @@ def prepare(
         if staging == out and storage.exists(out):
             storage.delete_dir(out)  # raywright's own (checked above): a rerun replaces it whole
         try:
-            manifest = _write_dataset(staging, tokens, chosen, seq_len, source)
+            tokens_per_byte, splits = _write_dataset(staging, tokens, chosen, seq_len, source)
         except BaseException:
             if staging != out and storage.exists(staging):
                 storage.delete_dir(staging)
             raise
-    manifest.update(source_sha256=source_sha256, documents=documents, val_fraction=val_fraction)
-    storage.write_json(storage.join(staging, MANIFEST), manifest)  # last: it makes the dataset complete
+    manifest = Manifest(
+        source=source,
+        source_sha256=source_sha256,
+        documents=documents,
+        val_fraction=val_fraction,
+        tokenizer=chosen.spec(),
+        tokens_per_byte=tokens_per_byte,
+        seq_len=seq_len,
+        **splits,
+    )
+    write_manifest(staging, manifest)  # last: it makes the dataset complete
     if staging != out:
         refuse_foreign(out)  # again: something may have appeared there meanwhile
         if storage.exists(out):
@@ -438,21 +446,19 @@ def _block_sums(batch: dict, columns: list[str]) -> dict:
     return rows
 
 
-def _write_dataset(out: str, tokens, tokenizer: BPETokenizer, seq_len: int, source: str) -> dict:
-    """Shards of both splits and the tokenizer under ``out``; the manifest's counts (it is written by the caller)."""
+def _write_dataset(
+    out: str, tokens, tokenizer: BPETokenizer, seq_len: int, source: str
+) -> tuple[float, dict[str, SplitShards]]:
+    """Shards of both splits and the tokenizer under ``out``; the tokens per byte and the splits' shards (the
+    manifest is written by the caller)."""
     from ray.data.expressions import col
 
     storage.write_bytes(storage.join(out, PREPARING), b"")  # marks the directory as raywright's from the start
     out_fs, out_path = storage.resolve(out)
     save_tokenizer(tokenizer, out)
     sums = split_sums(tokens, ["num_tokens", "num_bytes"])
-    manifest = {
-        "source": source,
-        "tokenizer": tokenizer.spec(),
-        # End-of-text tokens included: what a loss per token is multiplied by for bits per byte.
-        "tokens_per_byte": sum(s["num_tokens"] for s in sums.values()) / sum(s["num_bytes"] for s in sums.values()),
-        "seq_len": seq_len,
-    }
+    tokens_per_byte = sum(s["num_tokens"] for s in sums.values()) / sum(s["num_bytes"] for s in sums.values())
+    splits = {}
     for split in SPLITS:
         documents = tokens.filter(expr=col("split") == split)
         # Each group of documents is packed on its own (its last partial sequence dropped). The groups are fixed
@@ -465,15 +471,15 @@ def _write_dataset(out: str, tokens, tokenizer: BPETokenizer, seq_len: int, sour
         packed.write_parquet(f"{out_path}/{split}", filesystem=out_fs)
         shards = [f"{split}/{name}" for name in storage.list_dir(storage.join(out, split))]
         sequences = sum(pq.read_metadata(f"{out_path}/{s}", filesystem=out_fs).num_rows for s in shards)
-        manifest[split] = {"shards": shards, "sequences": sequences}
-        if manifest[split]["sequences"] == 0:
+        splits[split] = SplitShards(shards=shards, sequences=sequences)
+        if sequences == 0:
             raise ConfigError(
                 f"data.source: {source!r} gives no {split} sequence of {seq_len + 1} tokens: "
                 f"{sums[split]['documents']} of its {sum(s['documents'] for s in sums.values())} documents are in "
                 f"{split} ({sums[split]['num_tokens']} tokens; a document's split comes from its hash, and each split "
                 "gets one where there are two different texts): give more text or files, or change data.val_fraction"
             )
-    return manifest
+    return tokens_per_byte, splits
 
 
 def dataset_path(cfg: TrainConfig) -> str:
@@ -490,31 +496,14 @@ def dataset_path(cfg: TrainConfig) -> str:
     return storage.join(cfg.run.storage_path, "datasets", hashlib.sha256(settings.encode()).hexdigest()[:12])
 
 
-def load_manifest(path: str) -> dict | None:
-    """The manifest of a prepared dataset, or None if ``path`` holds no complete preparation."""
-    return storage.read_json_if_exists(storage.join(path, MANIFEST))
-
-
-def _prepared_manifest(path: str) -> dict:
-    manifest = load_manifest(path)
-    if manifest is None:
-        raise FileNotFoundError(f"data.path: {path!r} has no {MANIFEST}; run `python -m train.data prepare`")
-    return manifest
-
-
-def manifest_sha256(manifest: dict) -> str:
-    """The identity of a prepared dataset, as checkpoints record it."""
-    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
-
-
 def load_split(path: str, split: str) -> SplitRows:
     """The sequences of a split, indexed like a (sequences, seq_len + 1) uint16 array, in manifest order.
 
     Rows are read from a node-local copy of the split (built once per node, a batch at a time), so a
     worker holds in memory only the rows of its step, however large the dataset.
     """
-    manifest = _prepared_manifest(path)
-    return SplitRows(_node_local_split(path, split, manifest), manifest["seq_len"] + 1)
+    manifest = prepared_manifest(path)
+    return SplitRows(_node_local_split(path, split, manifest), manifest.seq_len + 1)
 
 
 def copy_to_this_node(path: str) -> None:
@@ -523,18 +512,18 @@ def copy_to_this_node(path: str) -> None:
     The scaling policy runs this on a node before it grows a run onto it, so that the copy is made while
     the run trains on rather than while every worker waits for the new one.
     """
-    manifest = _prepared_manifest(path)
+    manifest = prepared_manifest(path)
     for split in SPLITS:
         _node_local_split(path, split, manifest)
 
 
-def _node_local_split(path: str, split: str, manifest: dict) -> str:
+def _node_local_split(path: str, split: str, manifest: Manifest) -> str:
     """The split's tokens as one flat uint16 file on this node, keyed by the dataset's location and identity.
 
     Starting the copy of a dataset first drops the copies whose dataset is gone (deleted, or prepared
     again): each is as large as its dataset's tokens, and nothing else would ever remove them.
     """
-    source, identity = storage.absolute(path), manifest_sha256(manifest)
+    source, identity = storage.absolute(path), manifest.sha256
     cache = storage.node_local_dir("data", f"{source}\n{identity}")
     local = os.path.join(cache, f"{split}.u16")
     os.makedirs(cache, exist_ok=True)
@@ -554,7 +543,7 @@ def _node_local_split(path: str, split: str, manifest: dict) -> str:
             _check_room(path, split, manifest, cache)
             try:
                 with open(staging, "wb") as out:
-                    _write_tokens(path, manifest[split]["shards"], out)
+                    _write_tokens(path, manifest.split(split).shards, out)
             except BaseException:  # a copy that failed gives its disk back (checkpoints stage on the same disk)
                 with contextlib.suppress(OSError):
                     os.unlink(staging)
@@ -563,9 +552,9 @@ def _node_local_split(path: str, split: str, manifest: dict) -> str:
     return local
 
 
-def _check_room(path: str, split: str, manifest: dict, directory: str) -> None:
+def _check_room(path: str, split: str, manifest: Manifest, directory: str) -> None:
     """Fail at once, naming the sizes, where the split's copy cannot fit, rather than when the disk fills."""
-    needed = manifest[split]["sequences"] * (manifest["seq_len"] + 1) * 2  # uint16 tokens
+    needed = manifest.split(split).sequences * (manifest.seq_len + 1) * 2  # uint16 tokens
     free = shutil.disk_usage(directory).free
     if needed > free:
         raise OSError(
@@ -599,7 +588,7 @@ def _drop_orphaned_copies(copies: str) -> None:
             manifest = load_manifest(built_from["path"])
         except (OSError, ValueError, KeyError):  # no record yet, or the dataset cannot be read now
             continue
-        if manifest is not None and manifest_sha256(manifest) == built_from["manifest_sha256"]:
+        if manifest is not None and manifest.sha256 == built_from["manifest_sha256"]:
             continue
         with contextlib.suppress(OSError), open(os.path.join(cache, ".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while another process builds it
@@ -651,9 +640,9 @@ def main(argv: list[str] | None = None) -> int:
         bpe_train_bytes=args.bpe_train_bytes,
     )
     print(
-        f"prepared {manifest['train']['sequences']} train and {manifest['val']['sequences']} validation "
-        f"sequences of {args.seq_len + 1} tokens from {manifest['documents']} documents into {args.out} "
-        f"({manifest['tokens_per_byte']:.3f} tokens per byte)"
+        f"prepared {manifest.train.sequences} train and {manifest.val.sequences} validation "
+        f"sequences of {args.seq_len + 1} tokens from {manifest.documents} documents into {args.out} "
+        f"({manifest.tokens_per_byte:.3f} tokens per byte)"
     )
     return 0
 

@@ -62,7 +62,11 @@ def save_export(
     storage.write_json(storage.join(uri, "generation_config.json"), {"bos_token_id": eot, "eos_token_id": eot})
     storage.write_json(
         storage.join(uri, PROVENANCE),
-        {"model": model_config.model_dump(mode="json"), "tokenizer": tokenizer.spec(), "provenance": provenance},
+        {
+            "model": model_config.model_dump(mode="json"),
+            "tokenizer": tokenizer.spec().model_dump(),
+            "provenance": provenance,
+        },
     )
     storage.write_json(storage.join(uri, CONFIG), hf_config(model_config, eot))
 

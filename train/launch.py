@@ -22,10 +22,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from train import checkpoint, storage
 from train.config import TrainConfig
-from train.data import dataset_path, load_manifest, manifest_sha256, prepare
+from train.data import dataset_path, prepare
 from train.export import final_evaluation
 from train.lease import Lease
 from train.loop import DivergedError, train_loop
+from train.manifest import Manifest, load_manifest
 from train.metrics import HEALTH_CHECK_INTERVAL_ENV, MetricsRecorder, read_metrics
 from train.preflight import check_dataset_matches, cluster_address
 from train.process_group import free_port, own_state_api_env
@@ -179,24 +180,24 @@ def run_uri(cfg: TrainConfig) -> str:
     return storage.absolute(storage.join(cfg.run.storage_path, cfg.run.name))
 
 
-def loop_args(cfg: TrainConfig, data_path: str, manifest: dict, timeline: str | None = None) -> dict[str, Any]:
+def loop_args(cfg: TrainConfig, data_path: str, manifest: Manifest, timeline: str | None = None) -> dict[str, Any]:
     """The ``args`` of ``train_loop`` for ``cfg``; ``timeline`` names the RunTimeline actor to report to."""
     return {
         "config": cfg.to_dict(),
         "run_uri": run_uri(cfg),
         "data_path": storage.absolute(data_path),
         "timeline": timeline,
-        "tokens_per_byte": manifest["tokens_per_byte"],
+        "tokens_per_byte": manifest.tokens_per_byte,
         "provenance": {
-            "data_manifest_sha256": manifest_sha256(manifest),
-            "data_source_sha256": manifest["source_sha256"],
+            "data_manifest_sha256": manifest.sha256,
+            "data_source_sha256": manifest.source_sha256,
             "code_version": code_version(),
         },
     }
 
 
 def build_trainer(
-    cfg: TrainConfig, data_path: str, manifest: dict, timeline: str | None = None, callbacks: list = ()
+    cfg: TrainConfig, data_path: str, manifest: Manifest, timeline: str | None = None, callbacks: list = ()
 ) -> ElasticTorchTrainer:
     """The TorchTrainer for ``cfg``; ``callbacks`` are added to raywright's metrics recorder."""
     set_ray_train_env(cfg)
@@ -223,7 +224,7 @@ def build_trainer(
     )
 
 
-def ensure_dataset(cfg: TrainConfig) -> tuple[str, dict]:
+def ensure_dataset(cfg: TrainConfig) -> tuple[str, Manifest]:
     """The prepared dataset's path and manifest, preparing it first if it is missing or incomplete."""
     data, path = cfg.data, dataset_path(cfg)
     manifest = load_manifest(path)
@@ -239,7 +240,7 @@ def ensure_dataset(cfg: TrainConfig) -> tuple[str, dict]:
             vocab_size=data.vocab_size,
             bpe_train_bytes=data.bpe_train_bytes,
         )
-        print(f"{manifest['tokens_per_byte']:.3f} tokens per byte with the {data.tokenizer} tokenizer", flush=True)
+        print(f"{manifest.tokens_per_byte:.3f} tokens per byte with the {data.tokenizer} tokenizer", flush=True)
     else:
         check_dataset_matches(cfg, path, manifest)
     return path, manifest

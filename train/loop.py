@@ -463,7 +463,7 @@ class Trainer:
             "world_size": self.world,
             "global_batch_size": cfg.optim.global_batch_size,
             "config": cfg.to_dict(),
-            "tokenizer": self.tokenizer.spec(),
+            "tokenizer": self.tokenizer.spec().model_dump(),
             **self.args["provenance"],  # the dataset's and the code's: what an export of this checkpoint names
             "samples_seen": step * cfg.optim.global_batch_size,
             "reason": reason,

@@ -12,8 +12,9 @@ import torch
 
 from train import storage
 from train.config import TrainConfig
-from train.data import dataset_path, default_source, list_source, load_manifest, manifest_sha256, refuse_foreign
+from train.data import dataset_path, default_source, list_source, refuse_foreign
 from train.ds_config import build_ds_config
+from train.manifest import Manifest, load_manifest
 from train.schema import ConfigError, replace
 from train.tokenizer import load_tokenizer
 
@@ -99,23 +100,23 @@ def check_dataset(cfg: TrainConfig) -> None:
     list_source(cfg.data.source or default_source())
 
 
-def check_dataset_matches(cfg: TrainConfig, path: str, manifest: dict) -> None:
+def check_dataset_matches(cfg: TrainConfig, path: str, manifest: Manifest) -> None:
     """The prepared dataset at ``path`` has the model's sequence length, tokenizer and at most its vocabulary."""
     data = cfg.data
-    if manifest["seq_len"] != cfg.model.seq_len:
+    if manifest.seq_len != cfg.model.seq_len:
         raise ConfigError(
-            f"data.path {path} holds sequences of {manifest['seq_len']} tokens, model.seq_len is {cfg.model.seq_len}"
+            f"data.path {path} holds sequences of {manifest.seq_len} tokens, model.seq_len is {cfg.model.seq_len}"
         )
-    tokenizer = manifest["tokenizer"]
+    tokenizer = manifest.tokenizer
     if data.tokenizer in ("byte", "bpe"):
-        same_tokenizer = tokenizer["type"] == data.tokenizer
+        same_tokenizer = tokenizer.type == data.tokenizer
     else:
-        same_tokenizer = tokenizer["sha256"] == load_tokenizer(data.tokenizer).spec()["sha256"]
+        same_tokenizer = tokenizer.sha256 == load_tokenizer(data.tokenizer).spec().sha256
     if not same_tokenizer:
         raise ConfigError(f"data.path {path} was tokenized with another tokenizer than data.tokenizer {data.tokenizer}")
-    if tokenizer["vocab_size"] > cfg.model.vocab_size:
+    if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
-            f"data.path {path} was tokenized with {tokenizer['vocab_size']} tokens, "
+            f"data.path {path} was tokenized with {tokenizer.vocab_size} tokens, "
             f"model.vocab_size is {cfg.model.vocab_size}"
         )
 
@@ -158,7 +159,7 @@ def check_resume(cfg: TrainConfig) -> None:
     ]
     data_path = dataset_path(cfg)
     manifest = load_manifest(data_path)
-    if manifest is not None and manifest_sha256(manifest) != latest.get("data_manifest_sha256"):
+    if manifest is not None and manifest.sha256 != latest.get("data_manifest_sha256"):
         changed.append(f"the dataset ({data_path} is not the one it trained on)")
     if changed:
         raise ConfigError(

@@ -14,6 +14,7 @@ import hashlib
 from collections.abc import Iterable, Sequence
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from train import storage
@@ -21,6 +22,16 @@ from train import storage
 EOT = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
 MAX_VOCAB = 2**16  # prepared datasets store token ids as uint16
+
+
+class TokenizerSpec(BaseModel):
+    """What a manifest, checkpoint or export records about a tokenizer beside its file."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    type: str  # "byte" or "bpe"
+    vocab_size: int
+    eot_id: int
+    sha256: str  # of its tokenizer.json text
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -81,10 +92,9 @@ class BPETokenizer:
         """The Hugging Face ``tokenizer.json`` text."""
         return self.hf.to_str()
 
-    def spec(self) -> dict:
-        """What a manifest, checkpoint or export records about the tokenizer beside its file."""
+    def spec(self) -> TokenizerSpec:
         digest = hashlib.sha256(self.to_json().encode()).hexdigest()
-        return {"type": self.kind, "vocab_size": self.vocab_size, "eot_id": self.eot_id, "sha256": digest}
+        return TokenizerSpec(type=self.kind, vocab_size=self.vocab_size, eot_id=self.eot_id, sha256=digest)
 
 
 class ByteTokenizer(BPETokenizer):

@@ -24,6 +24,7 @@ from train import storage
 from train.export import final_evaluation
 from train.launch import build_trainer, loop_args, run_uri
 from train.loop import train_loop
+from train.manifest import Manifest
 from train.process_group import one_process_group
 from tune.config import SweepConfig, override
 
@@ -110,7 +111,7 @@ def this_nodes_preemption() -> PreemptionInfo | None:
     return PreemptionInfo(deadline_ms=deadline_ms or None, preempted_node_to_ranks={node: [0]})  # 0: no deadline
 
 
-def run_trial(params: dict[str, Any], sweep: SweepConfig, data_path: str, manifest: dict) -> None:
+def run_trial(params: dict[str, Any], sweep: SweepConfig, data_path: str, manifest: Manifest) -> None:
     """The Tune trainable (bound with ``tune.with_parameters``)."""
     cfg = trial_config(sweep, params, tune.get_context().get_trial_id(), data_path)
     node_id = ray.get_runtime_context().get_node_id()
