@@ -29,11 +29,11 @@ from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from train.config import load_config
-from train.data import load_split
 from train.ds_config import parameter_groups
 from train.launch import ensure_dataset, init_ray, run_training, run_uri
 from train.metrics import steady_step_seconds
 from train.model import GPT
+from train.node_copy import load_split
 from train.schedule import lr_at
 
 

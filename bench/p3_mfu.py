@@ -25,13 +25,13 @@ import numpy as np
 import torch
 
 from train.config import config_from_dict, load_config
-from train.data import load_split
 from train.ds_config import compiles, parameter_groups
 from train.export import load_exported
 from train.launch import ensure_dataset, init_ray, run_training, run_uri
 from train.memory import activation_bytes, model_state_bytes
 from train.metrics import peak_tflops, read_metrics, steady_step_seconds
 from train.model import GPT, flops_per_token
+from train.node_copy import load_split
 from train.schedule import lr_at
 
 WARMUP_STEPS = 5  # the bare loop's steps before timing: compilation and the allocator's growth

@@ -47,9 +47,10 @@ from serve.decoder import Decoder
 from serve.engine import Engine, GenerationParams, LoopTimes, Sequence
 from serve.ingress import HAPROXY_ENV
 from train.config import config_from_dict, load_config
-from train.data import dataset_path, load_split
+from train.data import dataset_path
 from train.export import load_exported, save_export
 from train.model import GPT
+from train.node_copy import load_split
 from train.run_layout import resolve_export
 from train.tokenizer import ByteTokenizer
 

@@ -76,8 +76,8 @@ def worker(path: str, steps: int) -> None:
     """What a training worker does with its data; prints peak RSS (MB) and rows/s as JSON."""
     import torch
 
-    from train.data import load_split
     from train.loader import SampleOrder, micro_batch_samples
+    from train.node_copy import load_split
 
     rows = load_split(path, "train")
     order = SampleOrder(len(rows), seed=0)

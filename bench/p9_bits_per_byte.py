@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from train.config import load_config
-from train.data import dataset_path, load_split
+from train.data import dataset_path
 from train.export import load_exported
 from train.launch import init_ray, run_training
+from train.node_copy import load_split
 
 
 @torch.no_grad()

@@ -38,8 +38,9 @@ from serve.app import build_app
 from serve.decoder import Decoder
 from serve.engine import ContinuousBatcher, Engine, GenerationParams, LoopTimes, Sequence
 from train.config import config_from_dict, load_config
-from train.data import dataset_path, load_split
+from train.data import dataset_path
 from train.export import load_exported
+from train.node_copy import load_split
 from train.run_layout import resolve_export
 
 CLIENTS = (1, 8, 32, 64)

@@ -24,19 +24,18 @@ from ray.data._internal.logging import get_log_directory
 
 from train.config import load_config
 from train.data import (
-    COPY_SOURCE,
     LAGGING_NO_CPU_WARNING,
     _files_below,
     _ray_data_logs_to_file_only,
     bpe_sample,
     dataset_path,
     list_source,
-    load_split,
     prepare,
     split_documents,
 )
 from train.loader import SampleOrder, micro_batch_samples
 from train.manifest import load_manifest
+from train.node_copy import COPY_SOURCE, load_split
 from train.schema import ConfigError
 from train.text_files import MIN_DOCUMENTS, MIN_PIECE_BYTES, PIECE_BYTES, TextFiles, piece_bytes, text_pieces
 from train.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
@@ -280,7 +279,7 @@ def test_a_copy_cut_short_leaves_no_partial_file_on_the_node(tiny_dataset, tmp_p
     stalled_copy = textwrap.dedent(f"""
         import tempfile, time
         import pyarrow.parquet as pq
-        from train.data import load_split
+        from train.node_copy import load_split
         tempfile.tempdir = {str(node_tmp)!r}
         read_batches = pq.ParquetFile.iter_batches
         def stall_after_the_first_batch(self, *args, **kwargs):  # storage that stops answering mid-copy

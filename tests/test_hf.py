@@ -18,13 +18,14 @@ from serve.decoder import Decoder
 from serve.engine import Engine, GenerationParams, Sequence
 from tests.conftest import MEMORIZED_TEXT
 from train.config import load_config
-from train.data import dataset_path, load_split
+from train.data import dataset_path
 from train.ds_config import build_engine
 from train.export import load_exported
 from train.hf_gpt2 import from_hf_state, hf_config, load_weights, model_config_from_hf, to_hf_state
 from train.launch import run_training
 from train.model import GPT
 from train.model_config import ModelConfig
+from train.node_copy import load_split
 from train.schema import ConfigError
 from train.tokenizer import EOT, load_tokenizer, train_bpe
 

@@ -23,7 +23,6 @@ from torch.profiler import record_function
 from train import checkpoint, storage
 from train.checkpoint_writer import BackgroundWriter
 from train.config import TrainConfig, config_from_dict
-from train.data import load_split
 from train.decisions import Notice, Rank0View, StepPolicy, share_rank0_view
 from train.ds_config import build_engine, compiles
 from train.early_checkpoint import latest_checkpoint_request, latest_restart_request, record_waiting_for_restart
@@ -39,6 +38,7 @@ from train.metrics import (
     report_backlog_warning,
 )
 from train.model import GPT, IGNORED_TARGET, flops_per_token
+from train.node_copy import load_split
 from train.profiling import StepProfiler
 from train.run_files import JsonlLog
 from train.run_layout import export_uri

@@ -50,8 +50,8 @@ from ray.train.v2._internal.execution.worker_group import WorkerGroupPollStatus,
 from ray.train.v2._internal.util import time_monotonic
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from train.data import copy_to_this_node
 from train.early_checkpoint import request_restart_checkpoint, restart_request_answered
+from train.node_copy import copy_to_this_node
 
 logger = logging.getLogger(__name__)
 
