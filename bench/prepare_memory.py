@@ -45,13 +45,14 @@ def driver(source: str, out: str) -> None:
     """Prepare ``source`` on a local Ray; print the growth of this process's peak RSS meanwhile and the time."""
     import ray
 
+    from train.config import DataConfig
     from train.data import prepare
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the peak from here on: what Ray's start took is not counted (Linux)
     before, start = peak_rss_mb(), time.time()
-    manifest = prepare(source, out, seq_len=128)
+    manifest = prepare(DataConfig(source=source), out, seq_len=128)
     growth = peak_rss_mb() - before
     print(json.dumps({"documents": manifest.documents, "growth_mb": growth, "seconds": time.time() - start}))
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ray._common.utils import get_default_ray_temp_dir
 from ray.cluster_utils import Cluster
 
-from train.config import TrainConfig, load_config
+from train.config import DataConfig, TrainConfig, load_config
 from train.export import save_export
 from train.model import GPT
 from train.model_config import ModelConfig
@@ -182,7 +182,7 @@ def tiny_dataset(ray_session, corpus_dir, tmp_path_factory) -> str:
     from train.data import prepare
 
     out = str(tmp_path_factory.mktemp("datasets") / "tiny")
-    prepare(f"{corpus_dir}/**/*.py", out, seq_len=load_config("tiny").model.seq_len, val_fraction=0.1)
+    prepare(DataConfig(source=f"{corpus_dir}/**/*.py", val_fraction=0.1), out, load_config("tiny").model.seq_len)
     return out
 
 

@@ -22,7 +22,7 @@ import ray.data
 from ray._common.test_utils import wait_for_condition
 from ray.data._internal.logging import get_log_directory
 
-from train.config import load_config
+from train.config import DataConfig, load_config
 from train.data import (
     LAGGING_NO_CPU_WARNING,
     _files_below,
@@ -36,7 +36,7 @@ from train.data import (
 from train.loader import SampleOrder, micro_batch_samples
 from train.manifest import load_manifest
 from train.node_copy import COPY_SOURCE, load_split
-from train.schema import ConfigError
+from train.schema import ConfigError, replace
 from train.text_files import MIN_DOCUMENTS, MIN_PIECE_BYTES, PIECE_BYTES, TextFiles, piece_bytes, text_pieces
 from train.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
 
@@ -65,7 +65,8 @@ def test_prepared_sequences_are_the_corpus_bytes(tiny_dataset, corpus_dir):
 @pytest.mark.cluster
 def test_bpe_prepare_reports_tokens_per_byte_and_its_tokenizer_is_reusable_by_path(tiny_dataset, corpus_dir, tmp_path):
     out = str(tmp_path / "bpe")
-    manifest = prepare(f"{corpus_dir}/**/*.py", out, seq_len=64, val_fraction=0.1, tokenizer="bpe", vocab_size=1024)
+    bpe = DataConfig(source=f"{corpus_dir}/**/*.py", val_fraction=0.1, tokenizer="bpe", vocab_size=1024)
+    manifest = prepare(bpe, out, seq_len=64)
     tokenizer = load_tokenizer(out)
     assert manifest.tokenizer == tokenizer.spec() and tokenizer.vocab_size == 1024
     # Python source compresses to well under half a token per byte; the byte tokenizer is 1 (+ end-of-text).
@@ -78,7 +79,7 @@ def test_bpe_prepare_reports_tokens_per_byte_and_its_tokenizer_is_reusable_by_pa
         for piece in tokenizer.decode(row).split(b"\n")[1:-1]:
             assert piece in corpus
     # Preparing with that tokenizer file gives the same sequences: a tokenizer is reusable by path.
-    again = prepare(f"{corpus_dir}/**/*.py", str(tmp_path / "again"), 64, 0.1, tokenizer=f"{out}/tokenizer.json")
+    again = prepare(replace(bpe, tokenizer=f"{out}/tokenizer.json"), str(tmp_path / "again"), 64)
     assert again.tokenizer == manifest.tokenizer
     assert np.array_equal(load_split(str(tmp_path / "again"), "train"), rows)
 
@@ -106,7 +107,8 @@ def test_a_bpe_trains_on_an_even_sample_of_a_training_split_larger_than_bpe_trai
     assert said in capsys.readouterr().out
     # prepare trains its BPE on that sample.
     out = str(tmp_path / "prepared")
-    prepare(str(corpus), out, 32, val_fraction=0.1, tokenizer="bpe", vocab_size=300, bpe_train_bytes=train_bytes // 4)
+    sampled = DataConfig(source=str(corpus), val_fraction=0.1, tokenizer="bpe", vocab_size=300)
+    prepare(replace(sampled, bpe_train_bytes=train_bytes // 4), out, 32)
     on_sample = train_bpe([row["text"].decode() for row in sample], vocab_size=300)
     assert load_tokenizer(out).spec() == on_sample.spec()
 
@@ -130,14 +132,15 @@ def test_the_same_corpus_gives_the_same_sequences_on_a_ray_of_another_size(
     monkeypatch.setattr("train.data.TOKENS_PER_PACK", 1 << 16)  # several groups of documents, as a large corpus has
     source = f"{corpus_dir}/**/*.py"
     here, there = str(tmp_path / "here"), str(tmp_path / "there")
-    prepare(source, here, seq_len=64, val_fraction=0.1)
+    prepare(DataConfig(source=source, val_fraction=0.1), here, seq_len=64)
     ray_dir = tempfile.mkdtemp(prefix="/tmp/rwd-")  # short: Ray's socket paths must fit 107 bytes
     one_cpu = textwrap.dedent(f"""
         import ray
         import train.data
+        from train.config import DataConfig
         ray.init(num_cpus=1, include_dashboard=False, _temp_dir={ray_dir!r})
         train.data.TOKENS_PER_PACK = 1 << 16
-        train.data.prepare({source!r}, {there!r}, seq_len=64, val_fraction=0.1)
+        train.data.prepare(DataConfig(source={source!r}, val_fraction=0.1), {there!r}, seq_len=64)
     """)
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}  # a Ray of its own
     try:
@@ -166,18 +169,21 @@ def test_same_documents_as_text_jsonl_and_parquet_compressed_or_not_give_the_sam
     pq.write_table(categories, tmp_path / "categories.parquet")
 
     manifests = [
-        prepare(str(text_dir), str(tmp_path / "out-text"), seq_len=32, val_fraction=0.2),
-        prepare(str(tmp_path / "docs.jsonl"), str(tmp_path / "out-jsonl"), 32, 0.2, text_column="body"),
-        prepare(str(tmp_path / "docs.parquet"), str(tmp_path / "out-parquet"), 32, 0.2, text_column="body"),
-        prepare(str(tmp_path / "categories.parquet"), str(tmp_path / "out-categories"), 32, 0.2, text_column="body"),
-        prepare(str(tmp_path / "docs.jsonl.gz"), str(tmp_path / "out-jsonl-gz"), 32, 0.2, text_column="body"),
-        prepare(str(tmp_path / "gzipped"), str(tmp_path / "out-text-gz"), 32, 0.2),
+        prepare(DataConfig(source=str(source), val_fraction=0.2, text_column=column), str(tmp_path / out), 32)
+        for source, column, out in [
+            (text_dir, "text", "out-text"),
+            (tmp_path / "docs.jsonl", "body", "out-jsonl"),
+            (tmp_path / "docs.parquet", "body", "out-parquet"),
+            (tmp_path / "categories.parquet", "body", "out-categories"),
+            (tmp_path / "docs.jsonl.gz", "body", "out-jsonl-gz"),
+            (tmp_path / "gzipped", "text", "out-text-gz"),
+        ]
     ]
     assert len({m.source_sha256 for m in manifests}) == 1
     assert all(m.documents == len(docs) for m in manifests)
     # Preparing again gives identical sequences, in the same order.
     first = {split: load_split(str(tmp_path / "out-text"), split) for split in ("train", "val")}
-    prepare(str(text_dir), str(tmp_path / "out-text"), seq_len=32, val_fraction=0.2)
+    prepare(DataConfig(source=str(text_dir), val_fraction=0.2), str(tmp_path / "out-text"), seq_len=32)
     for split, rows in first.items():
         assert np.array_equal(rows, load_split(str(tmp_path / "out-text"), split))
 
@@ -203,7 +209,7 @@ def test_preparing_a_corpus_leaves_ray_datas_progress_in_its_log_and_the_console
     preparation would hang for want of CPUs (Ray's view of free CPUs lagging the tasks that had just ended)."""
     ray_data_log = Path(get_log_directory(), "ray-data.log")
     logged_before = ray_data_log.stat().st_size if ray_data_log.exists() else 0
-    prepare(f"{corpus_dir}/email/**/*.py", str(tmp_path / "out"), seq_len=32, val_fraction=0.2)
+    prepare(DataConfig(source=f"{corpus_dir}/email/**/*.py", val_fraction=0.2), str(tmp_path / "out"), seq_len=32)
     assert ray_data_console.getvalue() == ""
     with open(ray_data_log) as log:
         log.seek(logged_before)
@@ -225,8 +231,9 @@ def test_a_directory_raywright_did_not_write_is_never_overwritten(ray_session, c
     mine = tmp_path / "mycorpus"
     mine.mkdir()
     (mine / "notes.txt").write_text("the user's own notes")
+    email = DataConfig(source=f"{corpus_dir}/email/**/*.py", val_fraction=0.2)
     with pytest.raises(ConfigError, match=f"^data.path: {mine} holds files that are not a prepared dataset"):
-        prepare(f"{corpus_dir}/email/**/*.py", str(mine), seq_len=32, val_fraction=0.2)
+        prepare(email, str(mine), seq_len=32)
     assert [p.name for p in mine.iterdir()] == ["notes.txt"]
     # The same through the CLI a user would type: one line, exit 2, and the notes stay.
     done = subprocess.run(
@@ -236,8 +243,8 @@ def test_a_directory_raywright_did_not_write_is_never_overwritten(ray_session, c
     assert (mine / "notes.txt").read_text() == "the user's own notes"
     # raywright's own dataset is replaced whole, and nothing is left beside it.
     out = tmp_path / "prepared"
-    prepare(f"{corpus_dir}/email/**/*.py", str(out), seq_len=32, val_fraction=0.2)
-    prepare(f"{corpus_dir}/email/**/*.py", str(out), seq_len=16, val_fraction=0.2)
+    prepare(email, str(out), seq_len=32)
+    prepare(email, str(out), seq_len=16)
     assert load_manifest(str(out)).seq_len == 16
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mycorpus", "prepared"]
 
@@ -332,25 +339,25 @@ def test_bad_sources_name_the_problem(ray_data_console, tmp_path):
     with pytest.raises(ConfigError, match="matches no files"):
         list_source(f"{tmp_path}/*.parquet")
     with pytest.raises(ConfigError, match="data.text_column: no column 'body'"):
-        prepare(str(tmp_path / "a.jsonl"), str(tmp_path / "out"), 8, text_column="body")
+        prepare(DataConfig(source=str(tmp_path / "a.jsonl"), text_column="body"), str(tmp_path / "out"), 8)
     # Numbers are no text: read as bytes they were 5 zero bytes for 5, and the run trained on them.
     pq.write_table(pa.table({"body": list(range(100))}), tmp_path / "numbers.parquet")
     with pytest.raises(ConfigError, match=f"column 'body' of {tmp_path}/numbers.parquet holds int64, not text$"):
-        prepare(str(tmp_path / "numbers.parquet"), str(tmp_path / "out"), 8, text_column="body")
+        prepare(DataConfig(source=str(tmp_path / "numbers.parquet"), text_column="body"), str(tmp_path / "out"), 8)
     # A line that is not JSON: the file and the row, not ~180 lines of Ray Data's failure (to its log only).
     lines = [json.dumps({"text": doc}) for doc in _documents(5)]
     (tmp_path / "bad" / "b.jsonl").parent.mkdir()
     (tmp_path / "bad" / "a.jsonl").write_text("\n".join(lines) + "\n")
     (tmp_path / "bad" / "b.jsonl").write_text("\n".join([*lines[:2], '{"text": "unclosed', *lines[2:]]) + "\n")
     with pytest.raises(ConfigError, match=f"^data.source: {tmp_path}/bad/b.jsonl is not JSON Lines.* in row 2\\)$"):
-        prepare(f"{tmp_path}/bad", str(tmp_path / "out"), 8)
+        prepare(DataConfig(source=f"{tmp_path}/bad"), str(tmp_path / "out"), 8)
     assert ray_data_console.getvalue() == ""
     assert not (tmp_path / "out").exists()
     # One small file is one document, in one split: the other is empty, and the error says why.
     (tmp_path / "input.txt").write_text("To be, or not to be, that is the question.\n" * 60)
     empty_train = r"gives no train sequence of 33 tokens: 0 of its 1 documents are in train \("
     with pytest.raises(ConfigError, match=empty_train):
-        prepare(str(tmp_path / "input.txt"), str(tmp_path / "out"), 32, val_fraction=0.1)
+        prepare(DataConfig(source=str(tmp_path / "input.txt"), val_fraction=0.1), str(tmp_path / "out"), 32)
     assert not (tmp_path / "out").exists()
 
 
@@ -365,7 +372,7 @@ def test_a_corpus_of_one_file_or_a_few_files_trains_and_validates(ray_session, t
     words = ["to", "be", "or", "not", "question", "is"]
     lines = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(30_000)]
     (tmp_path / "input.txt").write_text("\n".join(lines))
-    manifest = prepare(str(tmp_path / "input.txt"), str(tmp_path / "one"), 64, val_fraction=0.02)
+    manifest = prepare(DataConfig(source=str(tmp_path / "input.txt"), val_fraction=0.02), str(tmp_path / "one"), 64)
     assert MIN_DOCUMENTS <= manifest.documents <= MIN_DOCUMENTS + 1
     sequences = {split: manifest.split(split).sequences for split in ("train", "val")}
     assert 0 < sequences["val"] < 0.1 * sum(sequences.values())
@@ -392,7 +399,7 @@ def test_a_corpus_of_one_file_or_a_few_files_trains_and_validates(ray_session, t
         (tmp_path / "copies" / f"doc{i}.txt").write_text(texts[0])
     empty = "val" if _split_key(texts[0]) >= 0.02 else "train"
     with pytest.raises(ConfigError, match=f"gives no {empty} sequence of 65 tokens: 0 of its 3 documents are in"):
-        prepare(str(tmp_path / "copies"), str(tmp_path / "out-copies"), 64, val_fraction=0.02)
+        prepare(DataConfig(source=str(tmp_path / "copies"), val_fraction=0.02), str(tmp_path / "out-copies"), 64)
     assert "takes the nearest one" not in capsys.readouterr().out
 
 
@@ -416,15 +423,16 @@ def test_rows_without_text_are_skipped_as_if_they_were_not_there(ray_session, tm
     pq.write_table(pa.table({"text": [*docs[:10], None, *docs[10:], None]}), tmp_path / "nulls.parquet")
     with open(tmp_path / "missing.jsonl", "w") as f:  # a line without the column
         f.writelines(json.dumps({"text": doc} if i != 7 else {"title": doc}) + "\n" for i, doc in enumerate(docs))
-    whole = prepare(str(tmp_path / "all.parquet"), str(tmp_path / "all"), seq_len=32, val_fraction=0.2)
+    whole = prepare(DataConfig(source=str(tmp_path / "all.parquet"), val_fraction=0.2), str(tmp_path / "all"), 32)
     assert "skipped" not in capsys.readouterr().out
-    nulls = prepare(str(tmp_path / "nulls.parquet"), str(tmp_path / "nulls"), seq_len=32, val_fraction=0.2)
+    nulls = prepare(DataConfig(source=str(tmp_path / "nulls.parquet"), val_fraction=0.2), str(tmp_path / "nulls"), 32)
     assert f"skipped 2 of 62 rows of {tmp_path}/nulls.parquet: 'text' null or missing" in capsys.readouterr().out
     assert nulls.documents == whole.documents == 60
     assert nulls.source_sha256 == whole.source_sha256
     for split in ("train", "val"):
         assert np.array_equal(load_split(str(tmp_path / "nulls"), split), load_split(str(tmp_path / "all"), split))
-    missing = prepare(str(tmp_path / "missing.jsonl"), str(tmp_path / "missing"), seq_len=32, val_fraction=0.2)
+    missing_text = DataConfig(source=str(tmp_path / "missing.jsonl"), val_fraction=0.2)
+    missing = prepare(missing_text, str(tmp_path / "missing"), 32)
     assert "skipped 1 of 60 rows" in capsys.readouterr().out and missing.documents == 59
 
 

@@ -24,7 +24,7 @@ import ray
 from ray._common.test_utils import wait_for_condition
 
 from cluster.drain import drain_node
-from train.config import load_config
+from train.config import DataConfig, load_config
 from train.data import prepare
 from train.launch import run_training, run_uri
 from train.loader import SampleOrder
@@ -47,7 +47,7 @@ def elastic_dataset(ray_session, tmp_path_factory) -> str:
     for package in ("json", "wsgiref", "html"):  # wsgiref/headers.py hashes into validation
         shutil.copytree(stdlib / package, corpus / package, ignore=shutil.ignore_patterns("__pycache__"))
     out = str(tmp_path_factory.mktemp("elastic-data") / "ds")
-    prepare(f"{corpus}/**/*.py", out, seq_len=load_config("tiny").model.seq_len, val_fraction=0.1)
+    prepare(DataConfig(source=f"{corpus}/**/*.py", val_fraction=0.1), out, load_config("tiny").model.seq_len)
     return out
 
 

@@ -17,7 +17,7 @@ from ray._common.test_utils import wait_for_condition
 
 from tests.conftest import training_worker_pids
 from train import checkpoint, storage
-from train.config import load_config
+from train.config import DataConfig, load_config
 from train.data import prepare
 from train.export import load_exported
 from train.launch import ELASTIC_SUMMARY, run_training, run_uri
@@ -252,7 +252,7 @@ def test_a_worker_killed_mid_checkpoint_then_a_second_failure_resume_from_comple
 def small_dataset(ray_session, corpus_dir, tmp_path_factory) -> str:
     """The corpus prepared for the small recipe's 1024-token sequences."""
     out = str(tmp_path_factory.mktemp("datasets") / "small")
-    prepare(f"{corpus_dir}/**/*.py", out, seq_len=load_config("small").model.seq_len, val_fraction=0.1)
+    prepare(DataConfig(source=f"{corpus_dir}/**/*.py", val_fraction=0.1), out, load_config("small").model.seq_len)
     return out
 
 

@@ -32,7 +32,7 @@ from train.cli import OneLineParser, config_errors_exit_2, setting_type
 from train.config import BPE_TRAIN_BYTES, DataConfig, TrainConfig, tokenizer_setting
 from train.manifest import MANIFEST, SPLITS, Manifest, SplitShards, write_manifest
 from train.model_config import ModelConfig
-from train.schema import ConfigError
+from train.schema import ConfigError, parse
 from train.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer, save_tokenizer, train_bpe
 
 TOKENS_PER_PACK = 1 << 24  # documents packed together: a block of ~32 MB of tokens
@@ -323,33 +323,24 @@ def _ray_data_logs_to_file_only() -> Iterator[None]:
             handler.removeFilter(warning_for_the_console)
 
 
-def prepare(
-    source: str,
-    out: str,
-    seq_len: int,
-    val_fraction: float = 0.02,
-    text_column: str = "text",
-    tokenizer: str = "byte",
-    vocab_size: int = 4096,
-    bpe_train_bytes: int = BPE_TRAIN_BYTES,
-) -> Manifest:
-    """Tokenize ``source`` into Parquet shards under ``out`` and return the manifest.
-
-    ``tokenizer``, ``vocab_size`` and ``bpe_train_bytes`` are ``data.tokenizer``, ``data.vocab_size`` and
-    ``data.bpe_train_bytes``; the tokenizer is stored in ``out/tokenizer.json``.
+def prepare(data: DataConfig, out: str, seq_len: int) -> Manifest:
+    """Tokenize ``data.source`` into sequences of ``seq_len + 1`` tokens in Parquet shards under ``out`` (not
+    ``data.path``, which may be left to a run to derive) and return the manifest. The tokenizer, as ``data``
+    chooses it, is stored in ``out/tokenizer.json``.
     """
     import ray.data
 
     refuse_foreign(out)  # before any work: a user's directory is never touched
     ray.data.DataContext.get_current().execution_options.preserve_order = True  # reproducible shards
-    source = source or default_source()
+    source = data.source or default_source()
     with _ray_data_logs_to_file_only():
-        docs, sums = split_documents(source, val_fraction, text_column)
+        docs, sums = split_documents(source, data.val_fraction, data.text_column)
         rows, documents = docs.count(), sum(split["documents"] for split in sums.values())
         if documents < rows:
-            print(f"skipped {rows - documents:,} of {rows:,} rows of {source}: {text_column!r} null or missing")
+            print(f"skipped {rows - documents:,} of {rows:,} rows of {source}: {data.text_column!r} null or missing")
         source_sha256 = fingerprint(docs)
-        chosen = make_tokenizer(tokenizer, vocab_size, docs, sums["train"]["num_bytes"], bpe_train_bytes)
+        train_bytes = sums["train"]["num_bytes"]
+        chosen = make_tokenizer(data.tokenizer, data.vocab_size, docs, train_bytes, data.bpe_train_bytes)
         tokens = docs.map_batches(_tokenize, fn_kwargs={"tokenizer": chosen}, batch_format="numpy").materialize()
         # Locally the dataset is written to a sibling and renamed into place, so an interrupted or concurrent
         # preparation never leaves a half-written one at ``out``; object storage has no rename: written in place.
@@ -366,7 +357,7 @@ def prepare(
         source=source,
         source_sha256=source_sha256,
         documents=documents,
-        val_fraction=val_fraction,
+        val_fraction=data.val_fraction,
         tokenizer=chosen.spec(),
         tokens_per_byte=tokens_per_byte,
         seq_len=seq_len,
@@ -517,24 +508,17 @@ def main(argv: list[str] | None = None) -> int:
         help="a trained BPE learns from at most this many bytes of the training split, sampled evenly (0: all)",
     )
     args = parser.parse_args(argv)
+    settings = ("source", "text_column", "val_fraction", "tokenizer", "vocab_size", "bpe_train_bytes")
+    data = parse(DataConfig, {name: getattr(args, name) for name in settings})
     # Before Ray starts: what would otherwise fail after it, or after the corpus is read.
     refuse_foreign(args.out)
-    list_source(args.source or default_source())
-    if args.tokenizer != "bpe":
-        tokenizer_setting(args.tokenizer, "--tokenizer")
+    list_source(data.source or default_source())
+    if data.tokenizer != "bpe":
+        tokenizer_setting(data.tokenizer, "--tokenizer")
     import ray
 
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
-    manifest = prepare(
-        args.source,
-        args.out,
-        args.seq_len,
-        val_fraction=args.val_fraction,
-        text_column=args.text_column,
-        tokenizer=args.tokenizer,
-        vocab_size=args.vocab_size,
-        bpe_train_bytes=args.bpe_train_bytes,
-    )
+    manifest = prepare(data, args.out, args.seq_len)
     print(
         f"prepared {manifest.train.sequences} train and {manifest.val.sequences} validation "
         f"sequences of {args.seq_len + 1} tokens from {manifest.documents} documents into {args.out} "

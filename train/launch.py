@@ -230,16 +230,7 @@ def ensure_dataset(cfg: TrainConfig) -> tuple[str, Manifest]:
     manifest = load_manifest(path)
     if manifest is None:
         print(f"preparing dataset from {data.source or 'the Python standard library'} into {path}", flush=True)
-        manifest = prepare(
-            data.source,
-            path,
-            cfg.model.seq_len,
-            val_fraction=data.val_fraction,
-            text_column=data.text_column,
-            tokenizer=data.tokenizer,
-            vocab_size=data.vocab_size,
-            bpe_train_bytes=data.bpe_train_bytes,
-        )
+        manifest = prepare(data, path, cfg.model.seq_len)
         print(f"{manifest.tokens_per_byte:.3f} tokens per byte with the {data.tokenizer} tokenizer", flush=True)
     else:
         check_dataset_matches(cfg, path, manifest)

@@ -29,6 +29,8 @@ class SplitShards(_Record):
 
 
 class Manifest(_Record):
+    """What ``prepare`` made of a corpus: its shards per split, its tokenizer, and the corpus's identity."""
+
     source: str  # the corpus
     source_sha256: str  # of its documents' own, in any order (``data.fingerprint``)
     documents: int  # with text: null rows are in neither split
