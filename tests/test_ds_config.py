@@ -91,6 +91,9 @@ tokens = torch.randint(0, cfg.model.vocab_size, (cfg.optim.micro_batch_size, cfg
 _, loss = engine(tokens[:, :-1], tokens[:, 1:])
 engine.backward(loss)
 engine.step()
+# An orderly end: left to the interpreter's exit, gloo's group aborted once in a full-suite run (SIGABRT,
+# "terminate called without an active exception": C++ threads destroyed while still joinable).
+dist.destroy_process_group()
 """
 
 
