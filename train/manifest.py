@@ -7,28 +7,22 @@ workers and the node-local copies read it; a checkpoint records its SHA-256 as t
 import hashlib
 import json
 
-from pydantic import BaseModel, ConfigDict, ValidationError
-
 from train import storage
-from train.schema import ConfigError
+from train.schema import ConfigError, Section, parse
 from train.tokenizer import TokenizerSpec
 
 MANIFEST = "manifest.json"
 SPLITS = ("train", "val")
 
 
-class _Record(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
-
-
-class SplitShards(_Record):
+class SplitShards(Section):
     """One split of a prepared dataset."""
 
     shards: list[str]  # Parquet files, relative to the dataset, in order
     sequences: int  # rows of seq_len + 1 tokens, over all of them
 
 
-class Manifest(_Record):
+class Manifest(Section):
     """What ``prepare`` made of a corpus: its shards per split, its tokenizer, and the corpus's identity."""
 
     source: str  # the corpus
@@ -58,14 +52,10 @@ def load_manifest(path: str) -> Manifest | None:
     if values is None:
         return None
     try:
-        return Manifest.model_validate(values)
-    except ValidationError as invalid:
-        error = invalid.errors()[0]
-        field = ".".join(str(part) for part in error["loc"])
-        raise ConfigError(
-            f"data.path: {uri} is not a manifest this raywright reads ({field}: {error['msg'].lower()}): "
-            "prepare the dataset again"
-        ) from None
+        return parse(Manifest, values)
+    except ConfigError as invalid:
+        message = f"data.path: {uri} is not a manifest this raywright reads ({invalid}): prepare the dataset again"
+        raise ConfigError(message) from None
 
 
 def prepared_manifest(path: str) -> Manifest:

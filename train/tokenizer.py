@@ -14,20 +14,19 @@ import hashlib
 from collections.abc import Iterable, Sequence
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from train import storage
+from train.schema import Section
 
 EOT = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
 MAX_VOCAB = 2**16  # prepared datasets store token ids as uint16
 
 
-class TokenizerSpec(BaseModel):
+class TokenizerSpec(Section):
     """What a manifest, checkpoint or export records about a tokenizer beside its file."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
     type: str  # "byte" or "bpe"
     vocab_size: int
     eot_id: int
