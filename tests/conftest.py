@@ -17,6 +17,7 @@ import torch.distributed as dist
 from ray._common.utils import get_default_ray_temp_dir
 from ray.cluster_utils import Cluster
 
+from train import checkpoint
 from train.config import DataConfig, TrainConfig, load_config
 from train.export import save_export
 from train.model import GPT
@@ -208,6 +209,25 @@ def process_group():
     yield
     dist.destroy_process_group()
     monkeypatch.undo()
+
+
+def run_record(cfg: TrainConfig, world_size: int = 1) -> checkpoint.RunRecord:
+    """What a run of ``cfg`` on ``world_size`` workers records in a checkpoint of step 0 (its dataset made up)."""
+    return checkpoint.RunRecord(
+        world_size=world_size,
+        global_batch_size=cfg.optim.global_batch_size,
+        samples_seen=0,
+        reason="steps",
+        config=cfg.to_dict(),
+        tokenizer=ByteTokenizer().spec(),
+        data_manifest_sha256="0" * 64,
+    )
+
+
+def metadata_json(step: int, files: dict[str, int]) -> dict:
+    """``metadata.json`` of a checkpoint of the tiny recipe at ``step`` that lists ``files``."""
+    record = run_record(load_config("tiny")).model_dump()
+    return checkpoint.CheckpointMetadata(**record, step=step, time=0.0, files=files).model_dump()
 
 
 def on_ranks(target, world: int, *args) -> dict:

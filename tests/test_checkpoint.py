@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import metadata_json, run_record
 from train import checkpoint, storage
 from train.checkpoint_writer import BackgroundWriter
 from train.config import load_config
@@ -25,7 +26,7 @@ def _step(run, step: int, complete: bool) -> str:
     shard = f"{uri}/mp_rank_00_model_states.pt"
     storage.write_bytes(shard, b"weights")
     if complete:
-        storage.write_json(f"{uri}/{checkpoint.METADATA}", {"step": step, "files": {"mp_rank_00_model_states.pt": 7}})
+        storage.write_json(f"{uri}/{checkpoint.METADATA}", metadata_json(step, {"mp_rank_00_model_states.pt": 7}))
     return uri
 
 
@@ -39,7 +40,7 @@ def test_keep_last_counts_complete_checkpoints_only(tmp_path):
     _step(tmp_path, 137, complete=False)
     kept = _step(tmp_path, 135, complete=True)
     checkpoint.prune(str(tmp_path), keep_last=1)
-    assert checkpoint.latest_complete(str(tmp_path))["uri"] == kept
+    assert checkpoint.latest_complete(str(tmp_path)).uri == kept
     assert storage.list_dir(f"{tmp_path}/{checkpoint.CHECKPOINTS}") == ["step_00000135"]
 
 
@@ -57,8 +58,25 @@ def test_a_checkpoint_whose_shard_changed_size_is_not_complete(tmp_path, caplog)
     good = _step(tmp_path, 10, complete=True)
     broken = _step(tmp_path, 20, complete=True)
     storage.write_bytes(f"{broken}/mp_rank_00_model_states.pt", b"cut")  # a rewrite cut short
-    assert checkpoint.latest_complete(str(tmp_path))["uri"] == good
+    assert checkpoint.latest_complete(str(tmp_path)).uri == good
     assert "skipping incomplete checkpoint" in caplog.text and "has 3 bytes instead of 7" in caplog.text
+
+
+def test_a_complete_checkpoint_whose_metadata_this_version_cannot_read_is_named_and_kept(tmp_path, caplog):
+    """Another version's (or an edited) metadata is an error naming the field: skipping it for step 10 would
+    resume an older checkpoint and prune this one. Pruning leaves it; the export command names it."""
+    _step(tmp_path, 10, complete=True)
+    other = _step(tmp_path, 20, complete=True)
+    storage.write_json(f"{other}/{checkpoint.METADATA}", {**metadata_json(20, {}), "world_size": "two"})
+    with pytest.raises(checkpoint.UnreadableMetadataError, match=r"step_00000020/metadata.json .*world_size: 'two'"):
+        checkpoint.latest_complete(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"step_00000020/metadata.json is not checkpoint metadata"):
+        find_checkpoint(str(tmp_path), None)
+
+    _step(tmp_path, 30, complete=True)
+    checkpoint.prune(str(tmp_path), keep_last=1)
+    assert storage.list_dir(f"{tmp_path}/{checkpoint.CHECKPOINTS}") == ["step_00000020", "step_00000030"]
+    assert "left as it is" in caplog.text
 
 
 def test_metadata_is_written_whole_or_not_at_all(tmp_path):
@@ -79,11 +97,11 @@ def test_a_remote_runs_checkpoint_clears_the_shards_a_killed_upload_left_on_the_
     left.mkdir(parents=True)
     (left / "optim_states.pt").write_bytes(b"shards" * 1000)
 
-    pending = checkpoint.begin_save(engine, run_uri, 5, {"world_size": 1})
+    pending = checkpoint.begin_save(engine, run_uri, 5, run_record(cfg))
     assert checkpoint.written(pending, wait=True)
     checkpoint.finish_save(pending, keep_last=2, tokenizer=ByteTokenizer())
 
-    assert checkpoint.latest_complete(run_uri)["step"] == 5
+    assert checkpoint.latest_complete(run_uri).step == 5
     assert list(staging.iterdir()) == []  # neither the leftover nor this checkpoint's own staging
 
 
@@ -92,7 +110,7 @@ def test_a_checkpoint_whose_metadata_storage_cannot_take_does_not_count(process_
     engine = build_engine(cfg, GPT(cfg.model), world_size=1)
     run_uri = f"{s3_bucket}/metadata-outage-{time.time_ns()}"
     for step in (5, 10):
-        pending = checkpoint.begin_save(engine, run_uri, step, {"world_size": 1})
+        pending = checkpoint.begin_save(engine, run_uri, step, run_record(cfg))
         assert checkpoint.written(pending, wait=True)
         if step == 5:
             checkpoint.finish_save(pending, keep_last=1, tokenizer=ByteTokenizer())
@@ -101,7 +119,7 @@ def test_a_checkpoint_whose_metadata_storage_cannot_take_does_not_count(process_
         pytest.raises(checkpoint.CheckpointWriteError, match=r"step_00000010 .* \(rank 0: OSError"),
     ):
         checkpoint.finish_save(pending, keep_last=1, tokenizer=ByteTokenizer())
-    assert checkpoint.latest_complete(run_uri)["step"] == 5  # and it is kept: keep_last counts complete ones
+    assert checkpoint.latest_complete(run_uri).step == 5  # and it is kept: keep_last counts complete ones
 
 
 def test_a_resume_at_the_saved_size_downloads_only_this_machines_shards(process_group, s3_bucket, caplog):
@@ -114,7 +132,7 @@ def test_a_resume_at_the_saved_size_downloads_only_this_machines_shards(process_
     torch.manual_seed(0)
     saved = build_engine(cfg, GPT(cfg.model), world_size=1)
     run_uri = f"{s3_bucket}/download-{time.time_ns()}"
-    pending = checkpoint.begin_save(saved, run_uri, 5, {"world_size": 1})
+    pending = checkpoint.begin_save(saved, run_uri, 5, run_record(cfg))
     assert checkpoint.written(pending, wait=True)
     # What rank 1 of a two-rank run would have written beside rank 0's shard (here, junk it must not fetch).
     storage.write_bytes(f"{pending.uri}/zero_pp_rank_1_mp_rank_00_optim_states.pt", b"rank 1" * 1000)
@@ -125,10 +143,10 @@ def test_a_resume_at_the_saved_size_downloads_only_this_machines_shards(process_
     resumed = build_engine(cfg, GPT(cfg.model), world_size=1)
     with caplog.at_level(logging.INFO, logger="train.checkpoint"):
         checkpoint.load(resumed, latest, universal=False)
-    assert f"downloaded {len(latest['files']) - 1} files of {latest['uri']} " in caplog.text
+    assert f"downloaded {len(latest.files) - 1} files of {latest.uri} " in caplog.text
     for before, after in zip(saved.module.parameters(), resumed.module.parameters(), strict=True):
         assert torch.equal(before, after)
-    assert not Path(checkpoint.download_dir(latest["uri"])).exists()
+    assert not Path(checkpoint.download_dir(latest.uri)).exists()
 
 
 def test_a_resize_downloads_the_universal_state_of_this_machines_optimizer_partition_only(
@@ -143,12 +161,12 @@ def test_a_resize_downloads_the_universal_state_of_this_machines_optimizer_parti
     torch.manual_seed(0)
     saved = build_engine(cfg, GPT(cfg.model), world_size=1)
     run_uri = f"{s3_bucket}/universal-download-{time.time_ns()}"
-    pending = checkpoint.begin_save(saved, run_uri, 5, {"world_size": 1, "config": cfg.to_dict()})
+    pending = checkpoint.begin_save(saved, run_uri, 5, run_record(cfg))
     assert checkpoint.written(pending, wait=True)
     checkpoint.finish_save(pending, keep_last=2, tokenizer=ByteTokenizer())
     latest = checkpoint.latest_complete(run_uri)
     checkpoint.convert_to_universal(latest)
-    universal = f"{latest['uri']}/{checkpoint.UNIVERSAL}"
+    universal = f"{latest.uri}/{checkpoint.UNIVERSAL}"
     # The state of a parameter that no rank of this machine has a piece of (here, junk it must not fetch).
     storage.write_bytes(f"{universal}/zero/not.in.this.partition/fp32.pt", b"other" * 1000)
     total = len(checkpoint._file_sizes(universal))
@@ -170,10 +188,15 @@ def test_a_checkpoint_from_before_biases_and_layer_norms_were_exempt_from_decay_
     parameter groups"): a run or an export resuming from it builds one, every parameter decayed as before."""
     cfg = load_config("tiny", [f"deepspeed.zero_stage={stage}"])
     saved = build_engine(cfg, GPT(cfg.model), world_size=1, exempt_norms_and_biases=False)
-    pending = checkpoint.begin_save(saved, str(tmp_path), 5, {"world_size": 1, "config": cfg.to_dict()})
+    pending = checkpoint.begin_save(saved, str(tmp_path), 5, run_record(cfg))
     assert checkpoint.written(pending, wait=True)
     checkpoint.finish_save(pending, keep_last=1, tokenizer=ByteTokenizer())
-    before = checkpoint.latest_complete(str(tmp_path))  # its metadata as raywright wrote it then
+    metadata = f"{pending.uri}/{checkpoint.METADATA}"  # as raywright wrote it then: without the keys of 2026-11-25
+    then = {**storage.read_json(metadata)}
+    for key in ("norms_and_biases_undecayed", "data_source_sha256", "code_version"):
+        del then[key]
+    storage.write_json(metadata, then)
+    before = checkpoint.latest_complete(str(tmp_path))
 
     exempt = checkpoint.exempts_norms_and_biases(before)
     assert not exempt and checkpoint.exempts_norms_and_biases(None)  # a new run exempts them
@@ -187,8 +210,8 @@ def test_the_checkpoint_to_export_is_chosen_by_run_step_or_directory_and_a_bad_c
     _step(run, 10, complete=True)
     newest = _step(run, 20, complete=True)
     _step(run, 30, complete=False)  # being written, or cut short
-    assert find_checkpoint(str(run), None)["uri"] == newest
-    assert find_checkpoint(f"{newest}/", None)["uri"] == newest
+    assert find_checkpoint(str(run), None).uri == newest
+    assert find_checkpoint(f"{newest}/", None).uri == newest
     assert default_out(find_checkpoint(str(run), 10)) == f"{run}/exports/step_00000010"
     with pytest.raises(ConfigError, match=r"no checkpoint of step 15 \(it has \['step_00000010', 'step_00000020', 'st"):
         find_checkpoint(str(run), 15)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import metadata_json
 from train.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -82,7 +83,7 @@ def answers(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     (tmp / "batch.json").write_text(json.dumps({"train_batch_size": 999}))
     step = tmp / "resumed" / "tiny" / "checkpoints" / "step_00000004"  # a complete checkpoint of no files
     step.mkdir(parents=True)
-    (step / "metadata.json").write_text(json.dumps({"step": 4, "files": {}, "config": load_config("tiny").to_dict()}))
+    (step / "metadata.json").write_text(json.dumps(metadata_json(4, files={})))
     owner = {"host": socket.gethostname(), "pid": os.getpid(), "token": "live", "heartbeat": time.time() + 600}
     (tmp / "owned" / "tiny").mkdir(parents=True)
     (tmp / "owned" / "tiny" / "lease.json").write_text(json.dumps(owner))  # a live driver of run "tiny"

@@ -24,8 +24,8 @@ DIVERGING = ["optim.lr=1e30", "optim.warmup_steps=0", "optim.max_steps=20", "che
 
 def assert_newest_checkpoint_is_finite_and_named(run: str, message: str) -> None:
     newest = checkpoint.latest_complete(run)
-    assert f"(newest checkpoint: step {newest['step']})" in message
-    states = torch.load(f"{newest['uri']}/mp_rank_00_model_states.pt", weights_only=True)["module"]
+    assert f"(newest checkpoint: step {newest.step})" in message
+    states = torch.load(f"{newest.uri}/mp_rank_00_model_states.pt", weights_only=True)["module"]
     assert all(torch.isfinite(weights).all() for weights in states.values())
 
 

@@ -78,20 +78,20 @@ def test_a_run_in_a_bucket_survives_its_driver_killed_resumes_at_another_size_an
         first.send_signal(signal.SIGKILL)
         first.wait()
     killed_at = checkpoint.latest_complete(run_uri)
-    assert killed_at is not None and killed_at["world_size"] == 2, (tmp_path / "first.log").read_text()[-3000:]
-    assert killed_at["step"] < MAX_STEPS
+    assert killed_at is not None and killed_at.world_size == 2, (tmp_path / "first.log").read_text()[-3000:]
+    assert killed_at.step < MAX_STEPS
     assert storage.read_json(f"{run_uri}/{LEASE}")["pid"] == first.pid  # it died holding the run
 
     # Its checkpoint exported from the bucket: the 2 workers' shards converted in a scratch folder, the run only read.
     export_command = [sys.executable, "-m", "train.export_checkpoint", run_uri]
     exported = subprocess.run(export_command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert exported.returncode == 0, exported.stderr[-3000:]
-    step_export = load_exported(f"{run_uri}/exports/{os.path.basename(killed_at['uri'])}")
-    assert step_export.provenance["checkpoint"] == killed_at["uri"] and step_export.name == "on-s3"
-    assert not storage.exists(f"{killed_at['uri']}/{checkpoint.UNIVERSAL}")
+    step_export = load_exported(f"{run_uri}/exports/{os.path.basename(killed_at.uri)}")
+    assert step_export.provenance["checkpoint"] == killed_at.uri and step_export.name == "on-s3"
+    assert not storage.exists(f"{killed_at.uri}/{checkpoint.UNIVERSAL}")
 
     # 2. Resubmitted on 1 worker: takes the dead driver's lease, converts the 2-worker checkpoint, finishes.
-    downloads = Path(checkpoint.download_dir(killed_at["uri"])).parent
+    downloads = Path(checkpoint.download_dir(killed_at.uri)).parent
     downloaded_before = set(downloads.iterdir()) if downloads.exists() else set()
     second = subprocess.run(
         _train_command(root, ray_session.address, 1), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
@@ -99,10 +99,10 @@ def test_a_run_in_a_bucket_survives_its_driver_killed_resumes_at_another_size_an
     output = second.stdout + second.stderr
     assert second.returncode == 0, output[-4000:]
     assert "taking over the run from a driver that is gone" in output
-    assert f"resumed from {killed_at['uri']} at step {killed_at['step']} on 1 workers, converted from 2" in output
+    assert f"resumed from {killed_at.uri} at step {killed_at.step} on 1 workers, converted from 2" in output
     final = checkpoint.latest_complete(run_uri)
-    assert (final["step"], final["world_size"]) == (MAX_STEPS, 1)
-    assert storage.list_dir(f"{run_uri}/{checkpoint.CHECKPOINTS}") == [os.path.basename(final["uri"])]  # keep_last 1
+    assert (final.step, final.world_size) == (MAX_STEPS, 1)
+    assert storage.list_dir(f"{run_uri}/{checkpoint.CHECKPOINTS}") == [os.path.basename(final.uri)]  # keep_last 1
     assert set(downloads.iterdir()) == downloaded_before  # the node's download of it, removed once loaded
 
     # Side files are in the bucket, both drivers' reports in one metrics file; nothing is left on the driver's disk.
@@ -111,7 +111,7 @@ def test_a_run_in_a_bucket_survives_its_driver_killed_resumes_at_another_size_an
     # One record of both drivers' training: the killed one's attempt, then the restart at 1 worker.
     elastic = storage.read_json(f"{run_uri}/{ELASTIC_SUMMARY}")
     assert [(r["from"], r["to"], r["reason"]) for r in elastic["resizes"]] == [(2, 1, "driver lost")], elastic
-    assert elastic["restarts"] == 1 and elastic["world_size_timeline"][1]["from_step"] == killed_at["step"]
+    assert elastic["restarts"] == 1 and elastic["world_size_timeline"][1]["from_step"] == killed_at.step
     assert "resize 2 -> 1 workers (driver lost): " in output and elastic["resizes"][0]["driver_gone_s"] > 0
     assert 0 < elastic["step_s"] < elastic["wall_s"]
     assert not storage.exists(f"{run_uri}/{LEASE}")  # released at the end

@@ -61,7 +61,7 @@ def test_a_run_trains_through_a_storage_outage_and_loses_nothing(ray_session, s3
     counted = [m["checkpoint"] for m in reports if "checkpoint" in m]
     kept = [name for name in storage.list_dir(f"{run}/{checkpoint.CHECKPOINTS}") if name.startswith("step_")]
     assert kept == [uri.rsplit("/", 1)[1] for uri in counted[-2:]]  # keep_last 2; the failed ones' files deleted
-    assert checkpoint.latest_complete(run)["step"] == 150
+    assert checkpoint.latest_complete(run).step == 150
     assert storage.exists(f"{run}/{ELASTIC_SUMMARY}") and not storage.exists(f"{run}/{LEASE}")
 
 
@@ -94,7 +94,7 @@ def test_a_run_whose_storage_stays_down_stops_after_the_failed_checkpoints_it_to
     failed = [m for m in reports if "checkpoint_failed" in m]
     assert len(failed) == 1 and failed[0]["checkpoint_failed"].endswith("step_00000010")  # tolerated
     assert max(m["step"] for m in reports) > 15  # trained on past it, and past the next attempt
-    assert checkpoint.latest_complete(run_uri(cfg))["step"] == 5
+    assert checkpoint.latest_complete(run_uri(cfg)).step == 5
 
 
 def test_a_run_restarted_while_its_storage_is_down_waits_for_it(ray_session, s3_server, s3_bucket, tiny_dataset, capfd):
@@ -132,7 +132,7 @@ def test_a_run_restarted_while_its_storage_is_down_waits_for_it(ray_session, s3_
     assert result and result[0].steps == 60
     assert len(result[0].elastic["world_size_timeline"]) == 2  # one restart, the killed worker's
     assert result[0].elastic["resizes"][0]["storage_wait_s"] > 5  # it started in the outage, and waited
-    assert checkpoint.latest_complete(run)["step"] == 60
+    assert checkpoint.latest_complete(run).step == 60
 
 
 def test_a_trained_run_whose_storage_is_down_at_its_end_saves_its_record_once_storage_is_back(

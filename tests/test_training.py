@@ -133,7 +133,7 @@ def test_resume_skips_half_written_checkpoint_and_matches_uninterrupted_losses(t
     with open(f"{half}/mp_rank_00_model_states.pt", "r+b") as f:
         f.truncate(100)  # metadata written, but one shard cut short
     with caplog.at_level(logging.WARNING, logger="train.checkpoint"):
-        assert checkpoint.latest_complete(run)["step"] == 10
+        assert checkpoint.latest_complete(run).step == 10
     assert "skipping incomplete checkpoint" in caplog.text and "step_00000015" in caplog.text
 
     resumed = run_training(cfg)

@@ -1,10 +1,12 @@
 """Sharded DeepSpeed checkpoints in the run's storage, complete or ignored.
 
 Layout: ``<run>/checkpoints/step_00000120/`` holds DeepSpeed's shards and, written last
-by rank 0 once every rank has finished, ``metadata.json``: the step, samples seen, world
+by rank 0 once every rank has finished, ``metadata.json`` (``CheckpointMetadata``): the step, samples seen, world
 size, global batch, config, tokenizer and the size of every file, ``tokenizer.json`` included. A checkpoint
 counts only when its metadata exists and every file it lists is there at that size; a
-half-written one is skipped with a warning, so a crash mid-save never becomes "latest".
+half-written one is skipped with a warning, so a crash mid-save never becomes "latest". A complete one whose
+metadata this version cannot read is an error naming the field, never skipped: skipping it would resume an
+older one and prune the newer.
 """
 
 import argparse
@@ -28,7 +30,8 @@ import torch.distributed as dist
 
 from train import storage
 from train.run_layout import CHECKPOINTS
-from train.tokenizer import BPETokenizer, save_tokenizer
+from train.schema import ConfigError, Section, parse
+from train.tokenizer import BPETokenizer, TokenizerSpec, save_tokenizer
 
 if TYPE_CHECKING:  # DeepSpeed loads where an engine is in hand: finding and reading checkpoints needs none of it
     from train.checkpoint_writer import BackgroundWriter
@@ -37,10 +40,51 @@ logger = logging.getLogger(__name__)
 
 METADATA = "metadata.json"
 UNIVERSAL = "universal"
-# Metadata: the optimizer state is in two parameter groups, biases and LayerNorms undecayed (train/ds_config.py).
-NORMS_AND_BIASES_UNDECAYED = "norms_and_biases_undecayed"
 # DeepSpeed's files of one data-parallel rank: its ZeRO optimizer shard, and at stage 3 its model states.
 RANK_FILE = re.compile(r"zero_pp_rank_(\d+)_")
+
+
+class RunRecord(Section):
+    """What a checkpoint records of the run that saves it, as the run starts the save."""
+
+    world_size: int  # data-parallel ranks: a resume at another size goes through the universal format
+    global_batch_size: int
+    samples_seen: int
+    reason: str  # why it was taken: "steps", "minutes", "requested", "preemption", "deadline" or "final"
+    config: dict[str, Any]  # the run's resolved TrainConfig (``to_dict``)
+    tokenizer: TokenizerSpec  # its file is the checkpoint's tokenizer.json
+    data_manifest_sha256: str  # the prepared dataset's identity (``Manifest.sha256``)
+    # The next three came on 2026-11-25; a checkpoint from before has none of them.
+    data_source_sha256: str | None = None
+    code_version: str | None = None
+    norms_and_biases_undecayed: bool = False  # two optimizer parameter groups (train/ds_config.py); older: one
+
+    @property
+    def zero_stage(self) -> int:
+        return self.config["deepspeed"]["zero_stage"]
+
+
+class CheckpointMetadata(RunRecord):
+    """``metadata.json``: written last, by rank 0, once every rank has written its files."""
+
+    step: int
+    time: float  # when its save started
+    files: dict[str, int]  # the size of every file, by its path in the checkpoint
+
+
+class Checkpoint(CheckpointMetadata):
+    """A complete checkpoint: its metadata, and where it is."""
+
+    uri: str
+
+
+class IncompleteCheckpointError(ValueError):
+    """A checkpoint whose metadata is missing or whose files are not all there at their sizes."""
+
+
+class UnreadableMetadataError(ConfigError):
+    """A checkpoint's metadata that this version cannot read (another version's, or edited): such a checkpoint is
+    neither resumed from, nor skipped for an older one, nor deleted."""
 
 
 def checkpoint_uri(run_uri: str, step: int) -> str:
@@ -53,14 +97,24 @@ def _file_sizes(uri: str) -> dict[str, int]:
     return {os.path.relpath(i.path, root): i.size for i in infos if i.type == pafs.FileType.File}
 
 
-def _incompleteness(uri: str) -> str | None:
-    """Why the checkpoint at ``uri`` is incomplete, or None if it is complete."""
-    metadata = storage.read_json_if_exists(storage.join(uri, METADATA))
+def _read_metadata(uri: str) -> CheckpointMetadata | None:
+    """The metadata of the checkpoint at ``uri``, None where it has none (yet); UnreadableMetadataError naming the
+    field where it is not metadata this version reads."""
+    path = storage.join(uri, METADATA)
+    try:
+        values = storage.read_json_if_exists(path)
+        return None if values is None else parse(CheckpointMetadata, values)
+    except ValueError as unreadable:  # not JSON, or a field (ConfigError)
+        message = f"{path} is not checkpoint metadata this raywright reads ({unreadable})"
+        raise UnreadableMetadataError(message) from None
+
+
+def _incompleteness(uri: str, metadata: CheckpointMetadata | None) -> str | None:
+    """Why the checkpoint at ``uri`` with ``metadata`` is incomplete, or None if it is complete."""
     if metadata is None:
         return f"no {METADATA}"
-    expected = metadata["files"]
     present = _file_sizes(uri)
-    for name, size in expected.items():
+    for name, size in metadata.files.items():
         if present.get(name) != size:
             return f"{name} is missing or has {present.get(name)} bytes instead of {size}"
     return None
@@ -72,20 +126,21 @@ def step_dirs(run_uri: str) -> list[str]:
     return [storage.join(root, name) for name in storage.list_dir(root) if name.startswith("step_")]
 
 
-def read_complete(uri: str) -> dict[str, Any]:
-    """Metadata (with its ``uri``) of the checkpoint at ``uri``; ValueError saying why where it is incomplete."""
-    reason = _incompleteness(uri)
+def read_complete(uri: str) -> Checkpoint:
+    """The checkpoint at ``uri``; IncompleteCheckpointError saying why where it is incomplete."""
+    metadata = _read_metadata(uri)
+    reason = _incompleteness(uri, metadata)
     if reason is not None:
-        raise ValueError(f"incomplete checkpoint {uri}: {reason}")
-    return {**storage.read_json(storage.join(uri, METADATA)), "uri": uri}
+        raise IncompleteCheckpointError(f"incomplete checkpoint {uri}: {reason}")
+    return Checkpoint(**metadata.model_dump(), uri=uri)
 
 
-def latest_complete(run_uri: str) -> dict[str, Any] | None:
-    """Metadata (with its ``uri``) of the newest complete checkpoint of a run, or None."""
+def latest_complete(run_uri: str) -> Checkpoint | None:
+    """The newest complete checkpoint of a run, or None."""
     for uri in reversed(step_dirs(run_uri)):
         try:
             return read_complete(uri)
-        except ValueError as exc:
+        except IncompleteCheckpointError as exc:
             logger.warning("skipping %s", exc)
     return None
 
@@ -101,14 +156,14 @@ class PendingCheckpoint:
     run_uri: str
     uri: str
     step: int
-    metadata: dict[str, Any]
+    record: RunRecord
     started: float
     writer: "BackgroundWriter | None"  # None: the files were written before ``begin_save`` returned
     device: torch.device
     error: BaseException | None = None  # this rank's failure outside the writer: it fails the checkpoint
 
 
-def begin_save(engine, run_uri: str, step: int, metadata: dict[str, Any]) -> PendingCheckpoint:
+def begin_save(engine, run_uri: str, step: int, record: RunRecord) -> PendingCheckpoint:
     """Start a checkpoint of this step from every rank (a collective call).
 
     The step directory is written fresh (what an earlier, interrupted attempt left there is cleared
@@ -147,7 +202,7 @@ def begin_save(engine, run_uri: str, step: int, metadata: dict[str, Any]) -> Pen
             upload()
         except OSError as exc:
             error = error or exc
-    return PendingCheckpoint(run_uri, uri, step, metadata, started, writer, engine.device, error)
+    return PendingCheckpoint(run_uri, uri, step, record, started, writer, engine.device, error)
 
 
 def staging_root(run_uri: str) -> str:
@@ -218,8 +273,10 @@ def finish_save(pending: PendingCheckpoint, keep_last: int, tokenizer: BPETokeni
         try:
             save_tokenizer(tokenizer, pending.uri)
             files = _file_sizes(pending.uri)
-            metadata = {**pending.metadata, "step": pending.step, "files": files, "time": pending.started}
-            storage.write_json(storage.join(pending.uri, METADATA), metadata)
+            metadata = CheckpointMetadata(
+                **pending.record.model_dump(), step=pending.step, time=pending.started, files=files
+            )
+            storage.write_json(storage.join(pending.uri, METADATA), metadata.model_dump())
         except OSError as exc:
             error = exc
         else:
@@ -237,14 +294,19 @@ def prune(run_uri: str, keep_last: int) -> None:
     """Keep the newest ``keep_last`` complete checkpoints (0: none); delete older ones and every incomplete one.
 
     Called right after a save completes, when no other save is in flight (one at a time): an incomplete directory is
-    then an interrupted attempt, never one still being written, and never counts toward ``keep_last``.
+    then an interrupted attempt, never one still being written, and never counts toward ``keep_last``. One whose
+    metadata this version cannot read is left as it is.
     """
-    every = step_dirs(run_uri)
-    complete = [uri for uri in every if _incompleteness(uri) is None]
-    kept = set(complete[-keep_last:]) if keep_last else set()
-    for uri in every:
-        if uri not in kept:
-            storage.delete_dir(uri)
+    complete, incomplete = [], []
+    for uri in step_dirs(run_uri):
+        try:
+            reason = _incompleteness(uri, _read_metadata(uri))
+        except UnreadableMetadataError as exc:
+            logger.warning("left as it is: %s", exc)
+            continue
+        (complete if reason is None else incomplete).append(uri)
+    for uri in incomplete + (complete[:-keep_last] if keep_last else complete):
+        storage.delete_dir(uri)
 
 
 def download_dir(uri: str) -> str:
@@ -338,28 +400,28 @@ def _mend_zero3_universal_load(optimizer, decays: list[float]) -> None:
         group["weight_decay"] = decay
 
 
-def exempts_norms_and_biases(ckpt: dict[str, Any] | None) -> bool:
+def exempts_norms_and_biases(ckpt: Checkpoint | None) -> bool:
     """Whether a run that resumes from ``ckpt`` (None: a new run) exempts biases and LayerNorms from weight decay:
     its optimizer must have the parameter groups the checkpoint's state was saved in (DeepSpeed refuses another
     count), and checkpoints raywright wrote before the exemption have one group and no such metadata."""
-    return ckpt is None or ckpt.get(NORMS_AND_BIASES_UNDECAYED, False)
+    return ckpt is None or ckpt.norms_and_biases_undecayed
 
 
-def needs_universal(checkpoint: dict[str, Any], world_size: int) -> bool:
+def needs_universal(checkpoint: Checkpoint, world_size: int) -> bool:
     """Whether loading at ``world_size`` goes through the universal format: DeepSpeed refuses ZeRO shards
     (stages 1-3) of another data-parallel size. A stage-0 checkpoint has none: its one model-states file holds
     the whole model and optimizer state (fp32 masters included), which loads at any size as it is."""
-    sharded = any(RANK_FILE.search(os.path.basename(name)) for name in checkpoint["files"])
-    return sharded and checkpoint["world_size"] != world_size
+    sharded = any(RANK_FILE.search(os.path.basename(name)) for name in checkpoint.files)
+    return sharded and checkpoint.world_size != world_size
 
 
-def convert_to_universal(checkpoint: dict[str, Any]) -> None:
+def convert_to_universal(checkpoint: Checkpoint) -> None:
     """Rank 0 converts the checkpoint to DeepSpeed's universal format, once; the others wait.
 
     The result lives inside the checkpoint (``<ckpt>/universal/``), so it is pruned with it,
     and counts only once ``universal/done.json`` is written.
     """
-    uri = checkpoint["uri"]
+    uri = checkpoint.uri
     done = storage.join(uri, UNIVERSAL, "done.json")
     if dist.get_rank() == 0 and not storage.exists(done):
         started = time.time()
@@ -379,15 +441,15 @@ def convert_to_universal(checkpoint: dict[str, Any]) -> None:
     dist.barrier()
 
 
-def universal_conversion(checkpoint: dict[str, Any], scratch: str) -> str:
+def universal_conversion(checkpoint: Checkpoint, scratch: str) -> str:
     """Convert the checkpoint into ``<scratch>/universal`` (downloading it into ``scratch`` first where it is
     remote); returns that folder."""
-    uri = checkpoint["uri"]
+    uri = checkpoint.uri
     source = storage.resolve(uri)[1] if storage.is_local(uri) else os.path.join(scratch, "source")
     if not storage.is_local(uri):
         storage.copy_dir(uri, source)
     output = os.path.join(scratch, UNIVERSAL)
-    _run_ds_to_universal(source, output, inject_missing_state=checkpoint["config"]["deepspeed"]["zero_stage"] < 3)
+    _run_ds_to_universal(source, output, inject_missing_state=checkpoint.zero_stage < 3)
     return output
 
 
@@ -431,7 +493,7 @@ def _without_tensor_parallel_note() -> Iterator[None]:
         deepspeed_logger.removeFilter(not_the_note)
 
 
-def load(engine, checkpoint: dict[str, Any], universal: bool) -> None:
+def load(engine, checkpoint: Checkpoint, universal: bool) -> None:
     """Load model and optimizer state on every rank (a collective call).
 
     ``universal``: load the universal conversion (the engine must have been built with
@@ -441,19 +503,19 @@ def load(engine, checkpoint: dict[str, Any], universal: bool) -> None:
     not the shards beside it; at the saved size, the shards of the ranks there and the files all ranks read.
     """
     if universal:
-        uri = storage.join(checkpoint["uri"], UNIVERSAL)
+        uri = storage.join(checkpoint.uri, UNIVERSAL)
         files_for = _universal_files_for(engine, uri)
     elif engine.zero_elastic_checkpoint():  # every rank reads every shard
-        uri, files_for = checkpoint["uri"], None
+        uri, files_for = checkpoint.uri, None
     else:
-        uri = checkpoint["uri"]
-        files_for = functools.partial(files_for_ranks, list(checkpoint["files"]))
+        uri = checkpoint.uri
+        files_for = functools.partial(files_for_ranks, list(checkpoint.files))
     decays = [group["weight_decay"] for group in engine.optimizer.param_groups]  # see _mend_zero3_universal_load
     with _local_dir(uri, files_for) as local, _without_tensor_parallel_note():
         load_path, _ = engine.load_checkpoint(
             os.path.dirname(local), tag=os.path.basename(local), load_lr_scheduler_states=False
         )
     if load_path is None:
-        raise RuntimeError(f"DeepSpeed could not load checkpoint {checkpoint['uri']}")
+        raise RuntimeError(f"DeepSpeed could not load checkpoint {checkpoint.uri}")
     if universal and engine.zero_optimization_stage() == 3:
         _mend_zero3_universal_load(engine.optimizer, decays)

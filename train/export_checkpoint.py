@@ -10,7 +10,6 @@ run's storage is only read). Its export is therefore the one the run writes when
 import os
 import sys
 import tempfile
-from typing import Any
 
 import torch
 
@@ -22,13 +21,13 @@ from train.schema import ConfigError, replace
 from train.tokenizer import load_tokenizer
 
 EXPORTS = "exports"
-# What a checkpoint's metadata says of where it came from, passed on to the export's provenance.
-ORIGIN = ("data_manifest_sha256", "data_source_sha256", "code_version")
+# What an export's provenance takes from the checkpoint's metadata (and its uri): its origin, step and config.
+ORIGIN = {"data_manifest_sha256", "data_source_sha256", "code_version", "step", "config"}
 
 
-def find_checkpoint(location: str, step: int | None) -> dict[str, Any]:
-    """Metadata of the checkpoint at ``location`` (a checkpoint directory), or of a run's newest complete one
-    or the one of ``step``; ConfigError naming what is missing."""
+def find_checkpoint(location: str, step: int | None) -> checkpoint.Checkpoint:
+    """The checkpoint at ``location`` (a checkpoint directory), or a run's newest complete one or the one of
+    ``step``; ConfigError naming what is missing."""
     location = storage.absolute(location.rstrip("/"))
     try:
         if storage.exists(storage.join(location, checkpoint.METADATA)):
@@ -39,7 +38,7 @@ def find_checkpoint(location: str, step: int | None) -> dict[str, Any]:
             held = checkpoint.step_dirs(location)
             uri = checkpoint.checkpoint_uri(location, step)
             found = checkpoint.read_complete(uri) if uri in held else None
-    except (OSError, ValueError) as exc:  # storage unreachable, an incomplete checkpoint
+    except (OSError, checkpoint.IncompleteCheckpointError) as exc:  # storage unreachable
         raise ConfigError(str(exc)) from None
     if found is not None:
         return found
@@ -49,10 +48,10 @@ def find_checkpoint(location: str, step: int | None) -> dict[str, Any]:
     raise ConfigError(f"--step: {location} has no checkpoint of step {step} (it has {names or 'none'})")
 
 
-def default_out(ckpt: dict[str, Any]) -> str:
+def default_out(ckpt: checkpoint.Checkpoint) -> str:
     """``<run>/exports/step_NNNNNNNN``: beside the run's own ``export/``, which its end replaces."""
-    run = ckpt["uri"].rsplit("/", 2)[0]
-    return storage.join(run, EXPORTS, ckpt["uri"].rsplit("/", 1)[1])
+    run, _, name = ckpt.uri.rsplit("/", 2)
+    return storage.join(run, EXPORTS, name)
 
 
 def check_out(out: str) -> None:
@@ -62,7 +61,7 @@ def check_out(out: str) -> None:
         raise ConfigError(f"--out: {out} holds files that are not a raywright export; give a new directory")
 
 
-def export_checkpoint(ckpt: dict[str, Any], out: str) -> None:
+def export_checkpoint(ckpt: checkpoint.Checkpoint, out: str) -> None:
     """Load ``ckpt`` into a one-process engine here and export its weights to ``out``."""
     if not torch.cuda.is_available():  # else DeepSpeed looks for a GPU as it loads, and warns that it found none
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -73,7 +72,7 @@ def export_checkpoint(ckpt: dict[str, Any], out: str) -> None:
     from train.process_group import one_process_group
 
     on_gpu = get_accelerator().device_name() == "cuda"
-    cfg = config_from_dict(ckpt["config"])
+    cfg = config_from_dict(ckpt.config)
     cfg = replace(
         cfg,
         scaling=replace(cfg.scaling, use_gpu=on_gpu),  # this machine's device, whatever the run trained on
@@ -84,12 +83,11 @@ def export_checkpoint(ckpt: dict[str, Any], out: str) -> None:
         source = ckpt
         if universal:
             checkpoint.universal_conversion(ckpt, scratch)
-            source = {**ckpt, "uri": scratch}  # holds universal/, which the load reads
+            source = ckpt.model_copy(update={"uri": scratch})  # holds universal/, which the load reads
         engine = build_engine(cfg, GPT(cfg.model), 1, universal, checkpoint.exempts_norms_and_biases(ckpt))
         checkpoint.load(engine, source, universal)
-        provenance = {key: ckpt[key] for key in ORIGIN if key in ckpt}
-        provenance.update(step=ckpt["step"], config=ckpt["config"], checkpoint=ckpt["uri"])
-        export_model(engine, cfg.model, load_tokenizer(ckpt["uri"]), out, provenance)
+        provenance = {**ckpt.model_dump(include=ORIGIN, exclude_none=True), "checkpoint": ckpt.uri}
+        export_model(engine, cfg.model, load_tokenizer(ckpt.uri), out, provenance)
 
 
 @config_errors_exit_2
@@ -107,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     out = storage.absolute(args.out) if args.out else default_out(ckpt)
     check_out(out)
     export_checkpoint(ckpt, out)
-    print(f"exported {ckpt['uri']} (step {ckpt['step']}) to {out}")
+    print(f"exported {ckpt.uri} (step {ckpt.step}) to {out}")
     return 0
 
 

@@ -313,10 +313,10 @@ def _already_trained(cfg: TrainConfig) -> RunSummary | None:
     export is not finished: its workers restore that checkpoint, evaluate and export it."""
     run = run_uri(cfg)
     latest = checkpoint.latest_complete(run)
-    if latest is None or latest["step"] < cfg.optim.max_steps:
+    if latest is None or latest.step < cfg.optim.max_steps:
         return None
     evaluation = final_evaluation(run)
-    if evaluation is None or evaluation["step"] != latest["step"]:
+    if evaluation is None or evaluation["step"] != latest.step:
         return None
     elastic = storage.read_json_if_exists(storage.join(run, ELASTIC_SUMMARY))
     if elastic is None:  # its driver stopped before it wrote the record: made again from the events it saved
@@ -325,14 +325,14 @@ def _already_trained(cfg: TrainConfig) -> RunSummary | None:
     return _summary(run, latest, read_metrics(run), elastic)
 
 
-def _summary(run: str, latest: dict | None, reports: list[dict], elastic: dict) -> RunSummary:
+def _summary(run: str, latest: checkpoint.Checkpoint | None, reports: list[dict], elastic: dict) -> RunSummary:
     val_losses = [m["val_loss"] for m in reports if "val_loss" in m]
     return RunSummary(
         run_dir=run,
-        checkpoint=latest["uri"] if latest else None,
+        checkpoint=latest.uri if latest else None,
         export=export_uri(run),
         initial_val_loss=val_losses[0] if val_losses else None,
         final_val_loss=val_losses[-1] if val_losses else None,
-        steps=latest["step"] if latest else 0,
+        steps=latest.step if latest else 0,
         elastic=elastic,
     )

@@ -209,7 +209,7 @@ class Trainer:
         self.steps_to_preemption_check = 1
         self.last_save = time.time()  # the time-based schedule starts with the attempt
         # Early-checkpoint requests up to this time are answered (by the checkpoint resumed from, if any).
-        self.answered_until = latest["time"] if latest else self.startup["entered"]
+        self.answered_until = latest.time if latest else self.startup["entered"]
         self.save_seconds = 0.0  # from the start of the latest checkpoint until it counted
         self.pending: checkpoint.PendingCheckpoint | None = None  # a checkpoint being written, at most one
         self.answered_before_pending = self.answered_until  # what a failure of the pending checkpoint restores
@@ -217,7 +217,7 @@ class Trainer:
         self.stall_seconds = 0.0  # the training thread's time in the pending checkpoint
         self.profiler = StepProfiler(cfg.run.profile_steps, self.run_uri, self.rank, self.engine.device)
 
-    def _restore(self) -> dict[str, Any] | None:
+    def _restore(self) -> checkpoint.Checkpoint | None:
         """Build the engine and load the newest complete checkpoint into it; returns that checkpoint."""
         cfg, world = self.cfg, self.world
         latest = checkpoint.latest_complete(self.run_uri)
@@ -247,22 +247,20 @@ class Trainer:
             mark = time.time()
             checkpoint.load(self.engine, latest, universal)
             self.startup["load_s"] = time.time() - mark
-            self.step = self.newest_checkpoint_step = latest["step"]
+            self.step = self.newest_checkpoint_step = latest.step
             if self.rank == 0:
-                via = f", converted from {latest['world_size']} workers" if universal else ""
-                print(f"resumed from {latest['uri']} at step {self.step} on {world} workers{via}", flush=True)
+                via = f", converted from {latest.world_size} workers" if universal else ""
+                print(f"resumed from {latest.uri} at step {self.step} on {world} workers{via}", flush=True)
         else:
             self._report(self._evaluate())
         node_ids = [None] * world
         dist.all_gather_object(node_ids, ray.get_runtime_context().get_node_id())
         if self.timeline:
-            resumed = (
-                {"step": latest["step"], "reason": latest.get("reason", ""), "time": latest["time"]} if latest else None
-            )
+            resumed = {"step": latest.step, "reason": latest.reason, "time": latest.time} if latest else None
             self.timeline.attempt_started.remote(world, node_ids, self.step, self.startup, resumed)
         return latest
 
-    def _with_memory_plan(self, latest: dict[str, Any] | None) -> TrainConfig:
+    def _with_memory_plan(self, latest: checkpoint.Checkpoint | None) -> TrainConfig:
         """The config with its autos made values: ``deepspeed.zero_stage`` the checkpoint's when the run resumes
         (a run keeps its stage), and what ``plan_memory`` picks for the smallest worker's memory.
 
@@ -272,7 +270,7 @@ class Trainer:
         """
         cfg = self.cfg
         if latest is not None and cfg.deepspeed.zero_stage == "auto":
-            cfg = replace(cfg, deepspeed=replace(cfg.deepspeed, zero_stage=latest["config"]["deepspeed"]["zero_stage"]))
+            cfg = replace(cfg, deepspeed=replace(cfg.deepspeed, zero_stage=latest.zero_stage))
         if cfg.deepspeed.zero_stage != "auto" and cfg.optim.micro_batch_size != "auto":
             return cfg
         device = torch.device(get_accelerator().current_device_name())
@@ -459,17 +457,17 @@ class Trainer:
             raise self._diverged(f"the weights after step {step} are not finite")
         metrics = self._settle_checkpoint(wait=True) if self.pending else {}  # one in flight at a time
         start = time.time()
-        metadata = {
-            "world_size": self.world,
-            "global_batch_size": cfg.optim.global_batch_size,
-            "config": cfg.to_dict(),
-            "tokenizer": self.tokenizer.spec().model_dump(),
+        record = checkpoint.RunRecord(
+            world_size=self.world,
+            global_batch_size=cfg.optim.global_batch_size,
+            samples_seen=step * cfg.optim.global_batch_size,
+            reason=reason,
+            config=cfg.to_dict(),
+            tokenizer=self.tokenizer.spec(),
             **self.args["provenance"],  # the dataset's and the code's: what an export of this checkpoint names
-            "samples_seen": step * cfg.optim.global_batch_size,
-            "reason": reason,
-            checkpoint.NORMS_AND_BIASES_UNDECAYED: self.exempt_norms_and_biases,
-        }
-        self.pending = checkpoint.begin_save(self.engine, self.run_uri, step, metadata)
+            norms_and_biases_undecayed=self.exempt_norms_and_biases,
+        )
+        self.pending = checkpoint.begin_save(self.engine, self.run_uri, step, record)
         self.stall_seconds = time.time() - start
         self.answered_before_pending = self.answered_until
         self.last_save = self.answered_until = start  # requests made before it are answered by it
@@ -501,7 +499,7 @@ class Trainer:
         if self.sample_log:
             self.sample_log.flush()
         if self.timeline:
-            self.timeline.checkpoint_saved.remote(pending.step, pending.metadata["reason"])
+            self.timeline.checkpoint_saved.remote(pending.step, pending.record.reason)
         return {
             "step": self.step,
             "checkpoint": pending.uri,

@@ -144,7 +144,7 @@ def check_resume(cfg: TrainConfig) -> None:
     latest = checkpoint.latest_complete(run_uri)
     if latest is None:
         return
-    saved, current = latest["config"], cfg.to_dict()
+    saved, current = latest.config, cfg.to_dict()
 
     def value(tree: dict, key: str):
         section, name = key.split(".")
@@ -159,11 +159,11 @@ def check_resume(cfg: TrainConfig) -> None:
     ]
     data_path = dataset_path(cfg)
     manifest = load_manifest(data_path)
-    if manifest is not None and manifest.sha256 != latest.get("data_manifest_sha256"):
+    if manifest is not None and manifest.sha256 != latest.data_manifest_sha256:
         changed.append(f"the dataset ({data_path} is not the one it trained on)")
     if changed:
         raise ConfigError(
-            f"run.name: {cfg.run.name!r} resumes from {latest['uri']}, which cannot take {'; '.join(changed)}; "
+            f"run.name: {cfg.run.name!r} resumes from {latest.uri}, which cannot take {'; '.join(changed)}; "
             "give a new run.name to start afresh"
         )
 
