@@ -48,6 +48,7 @@ def test_the_weights_are_checked_before_each_checkpoint(ray_session, process_gro
     settings = [*DIVERGING, "deepspeed.zero_stage=0", "scaling.num_workers=1", "run.log_every=20", "run.name=nan"]
     cfg = load_config("tiny", [f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}", *settings])
     reports = []
-    train_loop(loop_args(cfg, tiny_dataset, load_manifest(tiny_dataset)), reports.append, preemption_info=lambda: None)
+    args = loop_args(cfg, tiny_dataset, load_manifest(tiny_dataset)).to_dict()
+    train_loop(args, reports.append, preemption_info=lambda: None)
     assert reports[-1]["step"] == 2 and "the weights after step 2 are not finite" in reports[-1]["diverged"]
     assert_newest_checkpoint_is_finite_and_named(run_uri(cfg), reports[-1]["diverged"])

@@ -88,7 +88,8 @@ def test_a_run_whose_storage_stays_down_stops_after_the_failed_checkpoints_it_to
 
     try:
         with pytest.raises(checkpoint.CheckpointWriteError, match=r"step_000000\d\d could not be written \(rank 0"):
-            train_loop(loop_args(cfg, tiny_dataset, load_manifest(tiny_dataset)), report, preemption_info=lambda: None)
+            args = loop_args(cfg, tiny_dataset, load_manifest(tiny_dataset)).to_dict()
+            train_loop(args, report, preemption_info=lambda: None)
     finally:
         s3_server.start()
     failed = [m for m in reports if "checkpoint_failed" in m]

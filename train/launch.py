@@ -9,7 +9,6 @@ import uuid
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
 
 import ray
 from ray._private.ray_constants import DEFAULT_DASHBOARD_PORT
@@ -26,6 +25,7 @@ from train.data import dataset_path, prepare
 from train.export import final_evaluation
 from train.lease import Lease
 from train.loop import DivergedError, train_loop
+from train.loop_args import LoopArgs, Provenance
 from train.manifest import Manifest, load_manifest
 from train.metrics import HEALTH_CHECK_INTERVAL_ENV, MetricsRecorder, read_metrics
 from train.preflight import check_dataset_matches, cluster_address
@@ -180,20 +180,18 @@ def run_uri(cfg: TrainConfig) -> str:
     return storage.absolute(storage.join(cfg.run.storage_path, cfg.run.name))
 
 
-def loop_args(cfg: TrainConfig, data_path: str, manifest: Manifest, timeline: str | None = None) -> dict[str, Any]:
+def loop_args(cfg: TrainConfig, data_path: str, manifest: Manifest, timeline: str | None = None) -> LoopArgs:
     """The ``args`` of ``train_loop`` for ``cfg``; ``timeline`` names the RunTimeline actor to report to."""
-    return {
-        "config": cfg.to_dict(),
-        "run_uri": run_uri(cfg),
-        "data_path": storage.absolute(data_path),
-        "timeline": timeline,
-        "tokens_per_byte": manifest.tokens_per_byte,
-        "provenance": {
-            "data_manifest_sha256": manifest.sha256,
-            "data_source_sha256": manifest.source_sha256,
-            "code_version": code_version(),
-        },
-    }
+    return LoopArgs(
+        config=cfg,
+        run_uri=run_uri(cfg),
+        data_path=storage.absolute(data_path),
+        timeline=timeline,
+        tokens_per_byte=manifest.tokens_per_byte,
+        provenance=Provenance(
+            data_manifest_sha256=manifest.sha256, data_source_sha256=manifest.source_sha256, code_version=code_version()
+        ),
+    )
 
 
 def build_trainer(
@@ -205,7 +203,7 @@ def build_trainer(
     num_workers = scaling.num_workers if isinstance(scaling.num_workers, int) else tuple(scaling.num_workers)
     return ElasticTorchTrainer(
         train_loop,
-        train_loop_config=loop_args(cfg, data_path, manifest, timeline),
+        train_loop_config=loop_args(cfg, data_path, manifest, timeline).to_dict(),
         scaling_config=RayScalingConfig(
             num_workers=num_workers,
             use_gpu=scaling.use_gpu,

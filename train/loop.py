@@ -22,13 +22,14 @@ from torch.profiler import record_function
 
 from train import checkpoint, storage
 from train.checkpoint_writer import BackgroundWriter
-from train.config import TrainConfig, config_from_dict
+from train.config import TrainConfig
 from train.decisions import Notice, Rank0View, StepPolicy, share_rank0_view
 from train.ds_config import build_engine, compiles
 from train.early_checkpoint import latest_checkpoint_request, latest_restart_request, record_waiting_for_restart
 from train.export import export_model
 from train.hf_gpt2 import load_weights
 from train.loader import SampleOrder, micro_batch_samples
+from train.loop_args import LoopArgs
 from train.memory import plan_memory, worker_capacity_bytes
 from train.metrics import (
     HEALTH_CHECK_INTERVAL_ENV,
@@ -43,7 +44,7 @@ from train.profiling import StepProfiler
 from train.run_files import JsonlLog
 from train.run_layout import export_uri
 from train.schedule import lr_at
-from train.schema import replace
+from train.schema import parse, replace
 from train.timeline import describe_resize
 from train.tokenizer import load_tokenizer
 
@@ -122,11 +123,10 @@ def train_loop(
 ) -> None:
     """Ray Train worker entry point; also run directly, in one process, by single-worker sweep trials.
 
-    ``args``: config (dict), run_uri, data_path, provenance, timeline (actor name or None),
-    tokens_per_byte (of the dataset, for bits per byte).
+    ``args``: ``LoopArgs.to_dict()`` (train/loop_args.py).
     ``report`` and ``preemption_info`` default to Ray Train's; a Tune trial passes Tune's report.
     """
-    Trainer(args, report, preemption_info).run()
+    Trainer(parse(LoopArgs, args), report, preemption_info).run()
 
 
 def _held_weights(param: torch.nn.Parameter, rank: int) -> torch.Tensor:
@@ -176,21 +176,21 @@ class Trainer:
     enters the same collectives.
     """
 
-    def __init__(self, args: dict[str, Any], report: Callable[[dict], None], preemption_info: Callable[[], Any]):
+    def __init__(self, args: LoopArgs, report: Callable[[dict], None], preemption_info: Callable[[], Any]):
         self.args, self._report_fn, self._preemption_info = args, report, preemption_info
-        self.cfg = cfg = config_from_dict(args["config"])
-        self.run_uri = args["run_uri"]
+        self.cfg = cfg = args.config
+        self.run_uri = args.run_uri
         torch.set_num_threads(cfg.scaling.cpus_per_worker)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.timeline = ray.get_actor(args["timeline"]) if args.get("timeline") and self.rank == 0 else None
+        self.timeline = ray.get_actor(args.timeline) if args.timeline and self.rank == 0 else None
         self.startup = {"entered": time.time()}  # where a (re)start's seconds go, for the timeline's resize record
-        waited = storage.wait_until_reachable([self.run_uri, args["data_path"]], cfg.run.storage_wait_s)
+        waited = storage.wait_until_reachable([self.run_uri, args.data_path], cfg.run.storage_wait_s)
         if waited:
             self.startup["storage_wait_s"] = waited
         mark = time.time()
-        self.tokenizer = load_tokenizer(args["data_path"])
-        self.train_rows = load_split(args["data_path"], "train")
-        self.val_rows = load_split(args["data_path"], "val")[: cfg.run.eval_samples]
+        self.tokenizer = load_tokenizer(args.data_path)
+        self.train_rows = load_split(args.data_path, "train")
+        self.val_rows = load_split(args.data_path, "val")[: cfg.run.eval_samples]
         self.order = SampleOrder(len(self.train_rows), cfg.run.seed)
         self.startup["data_s"] = time.time() - mark
         self.evaluation: dict[str, float] | None = None  # the latest; the export records the last step's
@@ -308,7 +308,7 @@ class Trainer:
             self._evaluate()
         # The final evaluation, with the export: a sweep trial resumed after it finished reports it, not trains again.
         provenance = {
-            **self.args["provenance"],
+            **self.args.provenance.model_dump(),
             "step": self.step,
             "config": self.cfg.to_dict(),
             "evaluation": self.evaluation,
@@ -464,7 +464,7 @@ class Trainer:
             reason=reason,
             config=cfg.to_dict(),
             tokenizer=self.tokenizer.spec(),
-            **self.args["provenance"],  # the dataset's and the code's: what an export of this checkpoint names
+            **self.args.provenance.model_dump(),  # the dataset's and the code's: what an export of it names
             norms_and_biases_undecayed=self.exempt_norms_and_biases,
         )
         self.pending = checkpoint.begin_save(self.engine, self.run_uri, step, record)
@@ -544,7 +544,7 @@ class Trainer:
         val_loss = evaluate(self.engine, self.val_rows, self.cfg.optim.micro_batch_size)
         if not math.isfinite(val_loss):
             raise self._diverged(f"the validation loss after step {self.step} is {val_loss}")
-        metrics = {"step": self.step, **_val_metrics(val_loss, self.args["tokens_per_byte"])}
+        metrics = {"step": self.step, **_val_metrics(val_loss, self.args.tokens_per_byte)}
         self.evaluation = {**metrics, "time": time.time()}
         return metrics
 

@@ -51,7 +51,9 @@ from ray.train.v2._internal.util import time_monotonic
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from train.early_checkpoint import request_restart_checkpoint, restart_request_answered
+from train.loop_args import LoopArgs
 from train.node_copy import copy_to_this_node
+from train.schema import parse
 
 logger = logging.getLogger(__name__)
 
@@ -201,8 +203,8 @@ class ElasticTorchTrainer(TorchTrainer):
 
     def _initialize_and_run_controller(self, **controller_init_kwargs):
         if isinstance(controller_init_kwargs.get("scaling_policy"), ElasticScalingPolicy):
-            config = self.train_loop_config
+            args = parse(LoopArgs, self.train_loop_config)
             controller_init_kwargs["scaling_policy"] = FreshViewElasticPolicy(
-                self.scaling_config, config["run_uri"], config["data_path"]
+                self.scaling_config, args.run_uri, args.data_path
             )
         return super()._initialize_and_run_controller(**controller_init_kwargs)

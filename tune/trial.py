@@ -133,4 +133,4 @@ def run_trial(params: dict[str, Any], sweep: SweepConfig, data_path: str, manife
             tune.report(evaluation)
 
     with one_process_group(cfg.scaling.use_gpu):
-        train_loop(loop_args(cfg, data_path, manifest), report=report, preemption_info=this_nodes_preemption)
+        train_loop(loop_args(cfg, data_path, manifest).to_dict(), report=report, preemption_info=this_nodes_preemption)

@@ -1,0 +1,32 @@
+"""What the driver hands each training worker: Ray Train's ``train_loop_config``.
+
+On the wire it is a plain dict (Ray keeps it in its state and shows it on its dashboard); both ends read it
+as ``LoopArgs``. It loads neither torch nor DeepSpeed: Ray Train's controller reads it too.
+"""
+
+from typing import Any
+
+from train.config import TrainConfig
+from train.schema import Section
+
+
+class Provenance(Section):
+    """Where a run's weights come from, as its checkpoints and its export record it."""
+
+    data_manifest_sha256: str  # the prepared dataset's identity (``Manifest.sha256``)
+    data_source_sha256: str  # the corpus's, whatever the order of its documents
+    code_version: str  # the git commit of the checkout, else the package version
+
+
+class LoopArgs(Section):
+    """A run's settings for ``train_loop`` on every worker."""
+
+    config: TrainConfig
+    run_uri: str
+    data_path: str  # the prepared dataset, absolute
+    timeline: str | None  # the name of the RunTimeline actor rank 0 reports to; None: no timeline (a sweep trial)
+    tokens_per_byte: float  # of the dataset, end-of-text tokens included: for bits per byte
+    provenance: Provenance
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
