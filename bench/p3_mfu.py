@@ -95,7 +95,7 @@ def main() -> None:
     summary = run_training(cfg)
     reports = [m for m in read_metrics(run_uri(cfg)) if "loss" in m][:-1]  # the last includes the export
     raywright = steady_step_seconds(run_uri(cfg))
-    chosen = config_from_dict(load_exported(summary.export).provenance["config"])  # the autos resolved
+    chosen = config_from_dict(load_exported(summary.export).provenance.config)  # the autos resolved
     compiled = compiles(chosen)
     tokens_per_step = cfg.optim.global_batch_size * cfg.model.seq_len
 

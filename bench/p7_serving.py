@@ -61,7 +61,7 @@ INGRESSES = ("proxy", "haproxy")
 
 def untrained_export(overrides: list[str], directory: str) -> str:
     cfg = load_config("small", overrides)
-    save_export(GPT(cfg.model).state_dict(), cfg.model, ByteTokenizer(), directory, {})
+    save_export(GPT(cfg.model).state_dict(), cfg.model, ByteTokenizer(), directory, provenance=None)
     return directory
 
 
@@ -316,7 +316,7 @@ def main() -> None:
     if not (args.http_only or args.perplexity_only):
         report.update(engine_report(export, precisions, args))
     if exported.provenance and not args.http_only:
-        val = load_split(dataset_path(config_from_dict(exported.provenance["config"])), "val")[:32][:, :256]
+        val = load_split(dataset_path(config_from_dict(exported.provenance.config)), "val")[:32][:, :256]
         ppl = {precision: perplexity(export, precision, val, args.device) for precision in precisions}
         report["perplexity"] = ppl
         report["perplexity_rise_over_first"] = {p: ppl[p] / ppl[precisions[0]] - 1 for p in precisions}

@@ -197,7 +197,7 @@ def main() -> None:
     ray.init(address="local", _temp_dir=tempfile.mkdtemp(prefix="/tmp/rwb-"))
     export = resolve_export(args.checkpoint or train_model(tempfile.mkdtemp(prefix="rw-serve-bench-")))
     exported = load_exported(export)
-    val = load_split(dataset_path(config_from_dict(exported.provenance["config"])), "val")
+    val = load_split(dataset_path(config_from_dict(exported.provenance.config)), "val")
     prompts = prompts_from(val, 256)
     report: dict = {"model": vars(exported.model.cfg), "max_tokens": args.max_tokens, "seconds_per_point": args.seconds}
 

@@ -104,10 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     from train.run_layout import resolve_export
 
     try:
-        resolve_export(cfg.checkpoint)
+        location = resolve_export(cfg.checkpoint)
     except OSError as exc:  # not there, or storage that cannot be reached
         message = str(exc).splitlines()[0]
         raise ConfigError(message if message.startswith("checkpoint") else f"checkpoint: {message}") from None
+    from train.export import read_provenance
+
+    read_provenance(location)  # a training record this version cannot read is named here, not by each replica
 
     import ray
     from ray import serve

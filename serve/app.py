@@ -37,7 +37,7 @@ from serve.engine import Chunk, ContinuousBatcher, GenerationParams, Sequence, j
 from serve.engine_process import EngineProcess, EngineSpec
 from serve.sampling import TokenLogprob
 from train import storage
-from train.export import export_name
+from train.export import export_name, read_provenance
 from train.hf_gpt2 import read_model_config
 from train.run_layout import resolve_export
 from train.tokenizer import EOT, load_tokenizer
@@ -135,7 +135,7 @@ class CompletionServer:
         cfg = serve_config_from_dict(config)
         device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
         location = resolve_export(cfg.checkpoint)
-        self.model_name = cfg.model_name or export_name(location)
+        self.model_name = cfg.model_name or export_name(location, read_provenance(location))
         self.precision = cfg.resolved_precision(device)
         self.context = read_model_config(location).seq_len
         self.tokenizer = load_tokenizer(location)

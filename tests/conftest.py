@@ -259,6 +259,6 @@ def memorized_export(tmp_path_factory) -> str:
         loss.backward()
         optimizer.step()
     assert loss.item() < 0.05, f"the serving test model did not learn its text (loss {loss.item():.3f})"
-    out = str(tmp_path_factory.mktemp("memorized") / "export")
-    save_export(model.state_dict(), cfg, ByteTokenizer(), out, {"config": {"run": {"name": "memorized"}}})
+    out = str(tmp_path_factory.mktemp("models") / "memorized")  # served under its directory's name
+    save_export(model.state_dict(), cfg, ByteTokenizer(), out, provenance=None)
     return out

@@ -42,6 +42,7 @@ CASES = [
     ("train --set data.path={tmp}/damaged", "damaged/manifest.json is not a manifest this raywright reads (source:"),
     ("train --set run.storage_path=s3://raywright-no-such-bucket/runs", "run.storage_path"),
     ("train --set run.storage_path={tmp}/resumed --set model.n_layer=3", "model.n_layer 2 -> 3"),
+    ("train --set run.storage_path={tmp}/edited", "step_00000004/metadata.json is not checkpoint metadata this raywr"),
     ("train --set run.storage_path={tmp}/owned", f"being trained by another driver (pid {os.getpid()}"),
     ("train --bogus", "unrecognized arguments: --bogus"),
     ("tune", "give one of --config and --resume"),
@@ -54,6 +55,7 @@ CASES = [
     ("serve", "checkpoint"),
     ("serve --checkpoint {tmp}/no-such-export", "checkpoint"),
     ("serve --checkpoint {tmp}/resumed/tiny", "export one of its checkpoints first: python -m train.export_checkpoint"),
+    ("serve --checkpoint {tmp}/stale-record", "stale-record/raywright.json is not a training record this raywright r"),
     ("serve --checkpoint x --set precision=int4", "precision"),
     ("serve --checkpoint x --set api_key=s3cret", "unknown key api_key"),
     ("serve --checkpoint x --port 70000", "argument --port: '70000' is not a TCP port"),
@@ -61,6 +63,7 @@ CASES = [
     ("train.export_checkpoint {tmp}/no-such-run", "holds no complete checkpoint"),
     ("train.export_checkpoint {tmp}/resumed/tiny --step 3", "no checkpoint of step 3 (it has ['step_00000004'])"),
     ("train.export_checkpoint {tmp}/resumed/tiny --out {tmp}/users-own", "--out"),
+    ("train.export_checkpoint {tmp}/edited/tiny", "004/metadata.json is not checkpoint metadata this raywright reads"),
     ("train.data prepare --out {tmp}/prepared --seq-len 0", "argument --seq-len: must be greater than or equal to 1"),
     ("train.data prepare --out {tmp}/prepared --val-fraction 0.5", "argument --val-fraction: must be less than 0.5"),
     ("train.data prepare --out {tmp}/prepared --tokenizer bpe --vocab-size 70000", "argument --vocab-size"),
@@ -84,6 +87,12 @@ def answers(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     step = tmp / "resumed" / "tiny" / "checkpoints" / "step_00000004"  # a complete checkpoint of no files
     step.mkdir(parents=True)
     (step / "metadata.json").write_text(json.dumps(metadata_json(4, files={})))
+    edited = tmp / "edited" / "tiny" / "checkpoints" / "step_00000004"  # its metadata edited by hand
+    edited.mkdir(parents=True)
+    (edited / "metadata.json").write_text(json.dumps({**metadata_json(4, files={}), "world_size": "2"}))
+    (tmp / "stale-record").mkdir()  # a model whose training record this version cannot read
+    (tmp / "stale-record" / "config.json").write_text("{}")
+    (tmp / "stale-record" / "raywright.json").write_text(json.dumps({"provenance": {"data_manifest_sha256": "0"}}))
     owner = {"host": socket.gethostname(), "pid": os.getpid(), "token": "live", "heartbeat": time.time() + 600}
     (tmp / "owned" / "tiny").mkdir(parents=True)
     (tmp / "owned" / "tiny" / "lease.json").write_text(json.dumps(owner))  # a live driver of run "tiny"
@@ -112,6 +121,7 @@ def answers(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     assert (tmp / "users-own" / "notes.txt").read_text() == "mine"  # a refused data.path is left as it was
     assert not (tmp / "runs").exists() and not (tmp / "prepared").exists()  # a rejected run writes nothing
     assert [p.name for p in (tmp / "resumed").iterdir()] == ["tiny"]
+    assert [p.name for p in edited.iterdir()] == ["metadata.json"]  # a checkpoint it cannot read is left as it was
     return done
 
 

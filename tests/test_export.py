@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tests.conftest import MEMORIZED_TEXT
 from train.config import load_config
 from train.ds_config import build_engine
-from train.export import export_model, load_exported
+from train.export import ExportProvenance, export_model, load_exported
 from train.model import GPT
 from train.tokenizer import ByteTokenizer, train_bpe
 
@@ -37,7 +37,8 @@ def test_export_loads_in_raywright_and_transformers_with_the_same_logits_and_tok
     with torch.no_grad():
         expected = engine(tokens[:, :-1])
 
-    export_model(engine, cfg.model, tokenizer, str(tmp_path), {"test": True})
+    provenance = ExportProvenance(data_manifest_sha256="0" * 64, step=2, config=cfg.to_dict(), evaluation={"step": 2})
+    export_model(engine, cfg.model, tokenizer, str(tmp_path), provenance)
     assert {p.name for p in tmp_path.iterdir()} == {
         "config.json",
         "model.safetensors",
@@ -50,7 +51,7 @@ def test_export_loads_in_raywright_and_transformers_with_the_same_logits_and_tok
     reloaded = load_exported(str(tmp_path))
     with torch.no_grad():
         assert torch.equal(reloaded.model(tokens[:, :-1]), expected)
-    assert reloaded.provenance == {"test": True}
+    assert reloaded.provenance == provenance and reloaded.name == cfg.run.name
     assert reloaded.tokenizer.spec() == tokenizer.spec()
 
     hf_model = AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True).eval()

@@ -106,7 +106,7 @@ def test_names_and_config_round_trip_and_what_gpt2_cannot_be_is_one_clear_line()
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
 def test_any_gpt2_directory_is_served_with_transformers_greedy_output(hf_gpt2, precision):
     exported = load_exported(hf_gpt2)
-    assert exported.name == "gpt2-recite" and exported.provenance == {}
+    assert exported.name == "gpt2-recite" and exported.provenance is None
     assert exported.model.cfg.activation == "gelu_tanh"
     engine = Engine(Decoder(exported.model, max_batch=4, precision=precision), exported.tokenizer)
     greedy = GenerationParams(max_tokens=24, temperature=0.0)

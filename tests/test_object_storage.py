@@ -87,7 +87,7 @@ def test_a_run_in_a_bucket_survives_its_driver_killed_resumes_at_another_size_an
     exported = subprocess.run(export_command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert exported.returncode == 0, exported.stderr[-3000:]
     step_export = load_exported(f"{run_uri}/exports/{os.path.basename(killed_at.uri)}")
-    assert step_export.provenance["checkpoint"] == killed_at.uri and step_export.name == "on-s3"
+    assert step_export.provenance.checkpoint == killed_at.uri and step_export.name == "on-s3"
     assert not storage.exists(f"{killed_at.uri}/{checkpoint.UNIVERSAL}")
 
     # 2. Resubmitted on 1 worker: takes the dead driver's lease, converts the 2-worker checkpoint, finishes.

@@ -53,7 +53,7 @@ def server(ray_session, memorized_export, tmp_path_factory):
     tight = {"max_batch_size": 1, "max_ongoing_requests": 1, "max_queued_requests": 1, "retry_after_s": 2}
     serve.run(build_app({**common, **tight}), name="tight", route_prefix="/tight")
     # The same model with a chat template in its tokenizer config: the messages' contents, concatenated.
-    chat_export = tmp_path_factory.mktemp("chat") / "export"
+    chat_export = tmp_path_factory.mktemp("chat") / "memorized"  # served under the same name
     shutil.copytree(memorized_export, chat_export)
     tokenizer_config = json.loads((chat_export / "tokenizer_config.json").read_text())
     tokenizer_config["chat_template"] = CHAT_TEMPLATE

@@ -69,10 +69,10 @@ def test_zero_stages_1_2_3_learn_the_same_thing(tiny_config):
     assert set(exported) == set(consolidated) - {"lm_head.weight"}
     assert all(torch.equal(exported[name], consolidated[name]) for name in exported)
     provenance = export.provenance
-    assert provenance["step"] == 20 and provenance["data_manifest_sha256"]
-    assert provenance["config"]["deepspeed"]["zero_stage"] == 3
-    assert provenance["evaluation"]["step"] == 20  # the final evaluation, as reported
-    assert provenance["evaluation"]["val_loss"] == pytest.approx(summary.final_val_loss)
+    assert provenance.step == 20 and provenance.data_manifest_sha256
+    assert provenance.config["deepspeed"]["zero_stage"] == 3
+    assert provenance.evaluation["step"] == 20  # the final evaluation, as reported
+    assert provenance.evaluation["val_loss"] == pytest.approx(summary.final_val_loss)
 
     # The autos pick stage 0 and the largest micro-batch (8 of 16 sequences at 2 workers) for the tiny model on
     # a CPU node; compiled too, that run learns the same thing (compiled kernels round differently: close, not equal).
@@ -85,7 +85,7 @@ def test_zero_stages_1_2_3_learn_the_same_thing(tiny_config):
         "run.log_every=5",
     )
     auto_run = run_training(auto)
-    chosen = load_exported(auto_run.export).provenance["config"]
+    chosen = load_exported(auto_run.export).provenance.config
     assert (chosen["deepspeed"]["zero_stage"], chosen["optim"]["micro_batch_size"]) == (0, 8)
     for step in (5, 10, 15, 20):
         assert _train_losses(auto)[step] == pytest.approx(losses[1][step], abs=1e-3)
@@ -94,7 +94,7 @@ def test_zero_stages_1_2_3_learn_the_same_thing(tiny_config):
         replace(cfg, deepspeed=replace(cfg.deepspeed, zero_stage="auto"), optim=replace(cfg.optim, max_steps=25))
     )
     assert resumed.steps == 25
-    assert load_exported(resumed.export).provenance["config"]["deepspeed"]["zero_stage"] == 3
+    assert load_exported(resumed.export).provenance.config["deepspeed"]["zero_stage"] == 3
 
     # A checkpoint exported afterwards, in one process, holds exactly what its run exported at that step: through
     # the universal conversion of its 2 workers' ZeRO-3 shards, and from the whole state of a stage-0 checkpoint.
@@ -105,7 +105,7 @@ def test_zero_stages_1_2_3_learn_the_same_thing(tiny_config):
         done = subprocess.run(command, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0 and f"to {out}" in done.stdout, done.stderr[-3000:]
         later = load_exported(out)
-        assert later.provenance["step"] == 20 and later.provenance["code_version"]
+        assert later.provenance.step == 20 and later.provenance.code_version
         assert all(torch.equal(tensor, at_step_20[name]) for name, tensor in later.model.state_dict().items())
 
 

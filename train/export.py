@@ -20,9 +20,27 @@ from train.hf_gpt2 import CONFIG, WEIGHTS, hf_config, load_weights, read_model_c
 from train.model import GPT
 from train.model_config import ModelConfig
 from train.run_layout import export_uri
+from train.schema import ConfigError, Section, parse
 from train.tokenizer import EOT, BPETokenizer, load_tokenizer, save_tokenizer
 
 PROVENANCE = "raywright.json"
+
+
+class ExportProvenance(Section):
+    """What ``raywright.json`` records of the training behind an export."""
+
+    data_manifest_sha256: str  # the prepared dataset's identity (``Manifest.sha256``)
+    # None only in an export of a checkpoint from before 2026-11-25, which did not record them.
+    data_source_sha256: str | None = None
+    code_version: str | None = None
+    step: int
+    config: dict[str, Any]  # the run's resolved TrainConfig (``to_dict``), in the schema of its day
+    evaluation: dict[str, int | float] | None = None  # the step's, where the run's end exported it
+    checkpoint: str | None = None  # the checkpoint exported, where ``python -m train.export_checkpoint`` did
+
+    @property
+    def run_name(self) -> str:
+        return self.config["run"]["name"]
 
 
 @dataclass
@@ -30,10 +48,12 @@ class Exported:
     model: GPT  # in eval mode
     tokenizer: BPETokenizer
     name: str  # the training run's name, or the directory's name for a model raywright did not train
-    provenance: dict[str, Any]  # empty for a model raywright did not train
+    provenance: ExportProvenance | None  # None for a model raywright did not train
 
 
-def export_model(engine, model_config: ModelConfig, tokenizer: BPETokenizer, uri: str, provenance: dict) -> None:
+def export_model(
+    engine, model_config: ModelConfig, tokenizer: BPETokenizer, uri: str, provenance: ExportProvenance
+) -> None:
     """Write the engine's full weights (gathered under ZeRO-3) from rank 0; a collective call."""
     import deepspeed  # here, not at the top: serving reads exports without DeepSpeed
 
@@ -46,7 +66,11 @@ def export_model(engine, model_config: ModelConfig, tokenizer: BPETokenizer, uri
 
 
 def save_export(
-    state: dict[str, torch.Tensor], model_config: ModelConfig, tokenizer: BPETokenizer, uri: str, provenance: dict
+    state: dict[str, torch.Tensor],
+    model_config: ModelConfig,
+    tokenizer: BPETokenizer,
+    uri: str,
+    provenance: ExportProvenance | None,
 ) -> None:
     """Write the model directory; ``config.json`` goes last, as it is what makes the directory a model."""
     weights = save_safetensors(to_hf_state(state), metadata={"format": "pt"})  # transformers checks the format
@@ -65,22 +89,32 @@ def save_export(
         {
             "model": model_config.model_dump(mode="json"),
             "tokenizer": tokenizer.spec().model_dump(),
-            "provenance": provenance,
+            "provenance": provenance.model_dump() if provenance else None,
         },
     )
     storage.write_json(storage.join(uri, CONFIG), hf_config(model_config, eot))
 
 
-def _provenance(uri: str) -> dict[str, Any]:
-    """What ``raywright.json`` in the model directory ``uri`` says of its training; empty where there is none."""
-    return (storage.read_json_if_exists(storage.join(uri, PROVENANCE)) or {}).get("provenance", {})
+def read_provenance(uri: str) -> ExportProvenance | None:
+    """What ``raywright.json`` in the model directory ``uri`` records of its training; None where there is none.
+    ConfigError naming the file and field where it is not a record this version reads."""
+    path = storage.join(uri, PROVENANCE)
+    record = (storage.read_json_if_exists(path) or {}).get("provenance") or None  # {}: none, as exports wrote
+    try:
+        return None if record is None else parse(ExportProvenance, record)
+    except ConfigError as unreadable:
+        raise ConfigError(
+            f"{path} is not a training record this raywright reads ({unreadable}); "
+            "without it the model serves as any GPT-2 directory"
+        ) from None
 
 
 def final_evaluation(run_uri: str) -> dict[str, Any] | None:
     """The last step's evaluation of a run that finished (its export is complete: ``config.json`` is written
     last); None for a run that has not, or whose export predates the record."""
     uri = export_uri(run_uri)
-    return _provenance(uri).get("evaluation") if storage.exists(storage.join(uri, CONFIG)) else None
+    provenance = read_provenance(uri) if storage.exists(storage.join(uri, CONFIG)) else None
+    return provenance.evaluation if provenance else None
 
 
 def load_exported(uri: str, dtype: torch.dtype | None = None) -> Exported:
@@ -89,10 +123,10 @@ def load_exported(uri: str, dtype: torch.dtype | None = None) -> Exported:
     load_weights(model, uri)
     if dtype is not None:
         model.to(dtype)
-    return Exported(model.eval(), load_tokenizer(uri), export_name(uri), _provenance(uri))
+    provenance = read_provenance(uri)
+    return Exported(model.eval(), load_tokenizer(uri), export_name(uri, provenance), provenance)
 
 
-def export_name(uri: str) -> str:
+def export_name(uri: str, provenance: ExportProvenance | None) -> str:
     """The training run's name, or the directory's name for a model raywright did not train."""
-    run_name = _provenance(uri).get("config", {}).get("run", {}).get("name")
-    return run_name or PurePosixPath(uri.rstrip("/")).name
+    return provenance.run_name if provenance else PurePosixPath(uri.rstrip("/")).name

@@ -16,12 +16,12 @@ import torch
 from train import checkpoint, storage
 from train.cli import OneLineParser, config_errors_exit_2
 from train.config import config_from_dict
-from train.export import PROVENANCE, export_model
+from train.export import PROVENANCE, ExportProvenance, export_model
 from train.schema import ConfigError, replace
 from train.tokenizer import load_tokenizer
 
 EXPORTS = "exports"
-# What an export's provenance takes from the checkpoint's metadata (and its uri): its origin, step and config.
+# What an export's provenance takes from the checkpoint's metadata: its origin, step and config.
 ORIGIN = {"data_manifest_sha256", "data_source_sha256", "code_version", "step", "config"}
 
 
@@ -86,7 +86,7 @@ def export_checkpoint(ckpt: checkpoint.Checkpoint, out: str) -> None:
             source = ckpt.model_copy(update={"uri": scratch})  # holds universal/, which the load reads
         engine = build_engine(cfg, GPT(cfg.model), 1, universal, checkpoint.exempts_norms_and_biases(ckpt))
         checkpoint.load(engine, source, universal)
-        provenance = {**ckpt.model_dump(include=ORIGIN, exclude_none=True), "checkpoint": ckpt.uri}
+        provenance = ExportProvenance(**ckpt.model_dump(include=ORIGIN), checkpoint=ckpt.uri)
         export_model(engine, cfg.model, load_tokenizer(ckpt.uri), out, provenance)
 
 

@@ -26,7 +26,7 @@ from train.config import TrainConfig
 from train.decisions import Notice, Rank0View, StepPolicy, share_rank0_view
 from train.ds_config import build_engine, compiles
 from train.early_checkpoint import latest_checkpoint_request, latest_restart_request, record_waiting_for_restart
-from train.export import export_model
+from train.export import ExportProvenance, export_model
 from train.hf_gpt2 import load_weights
 from train.loader import SampleOrder, micro_batch_samples
 from train.loop_args import LoopArgs
@@ -307,12 +307,9 @@ class Trainer:
         if self.evaluation is None or self.evaluation["step"] != self.step:  # resumed from the last step's checkpoint
             self._evaluate()
         # The final evaluation, with the export: a sweep trial resumed after it finished reports it, not trains again.
-        provenance = {
-            **self.args.provenance.model_dump(),
-            "step": self.step,
-            "config": self.cfg.to_dict(),
-            "evaluation": self.evaluation,
-        }
+        provenance = ExportProvenance(
+            **self.args.provenance.model_dump(), step=self.step, config=self.cfg.to_dict(), evaluation=self.evaluation
+        )
         export_model(self.engine, self.cfg.model, self.tokenizer, export_uri(self.run_uri), provenance)
         checkpoint.remove_staging(self.run_uri)
 
