@@ -29,8 +29,9 @@ import torch
 import torch.distributed as dist
 
 from train import storage
+from train.provenance import Provenance
 from train.run_layout import CHECKPOINTS
-from train.schema import ConfigError, Section, parse
+from train.schema import ConfigError, parse
 from train.tokenizer import BPETokenizer, TokenizerSpec, save_tokenizer
 
 if TYPE_CHECKING:  # DeepSpeed loads where an engine is in hand: finding and reading checkpoints needs none of it
@@ -44,7 +45,7 @@ UNIVERSAL = "universal"
 RANK_FILE = re.compile(r"zero_pp_rank_(\d+)_")
 
 
-class RunRecord(Section):
+class RunRecord(Provenance):
     """What a checkpoint records of the run that saves it, as the run starts the save."""
 
     world_size: int  # data-parallel ranks: a resume at another size goes through the universal format
@@ -53,11 +54,8 @@ class RunRecord(Section):
     reason: str  # why it was taken: "steps", "minutes", "requested", "preemption", "deadline" or "final"
     config: dict[str, Any]  # the run's resolved TrainConfig (``to_dict``)
     tokenizer: TokenizerSpec  # its file is the checkpoint's tokenizer.json
-    data_manifest_sha256: str  # the prepared dataset's identity (``Manifest.sha256``)
-    # The next three came on 2026-11-25; a checkpoint from before has none of them.
-    data_source_sha256: str | None = None
-    code_version: str | None = None
-    norms_and_biases_undecayed: bool = False  # two optimizer parameter groups (train/ds_config.py); older: one
+    # Two optimizer parameter groups (train/ds_config.py); a checkpoint from before 2026-11-25 has one.
+    norms_and_biases_undecayed: bool = False
 
     @property
     def zero_stage(self) -> int:
@@ -73,7 +71,7 @@ class CheckpointMetadata(RunRecord):
 
 
 class Checkpoint(CheckpointMetadata):
-    """A complete checkpoint: its metadata, and where it is."""
+    """A checkpoint's metadata, and where it is (complete, where ``read_complete`` or ``latest_complete`` gives it)."""
 
     uri: str
 
@@ -97,19 +95,19 @@ def _file_sizes(uri: str) -> dict[str, int]:
     return {os.path.relpath(i.path, root): i.size for i in infos if i.type == pafs.FileType.File}
 
 
-def _read_metadata(uri: str) -> CheckpointMetadata | None:
-    """The metadata of the checkpoint at ``uri``, None where it has none (yet); UnreadableMetadataError naming the
-    field where it is not metadata this version reads."""
+def _read_metadata(uri: str) -> Checkpoint | None:
+    """The checkpoint at ``uri`` as its metadata says, complete or not; None where it has no metadata (yet).
+    UnreadableMetadataError naming the field where it is not metadata this version reads."""
     path = storage.join(uri, METADATA)
     try:
         values = storage.read_json_if_exists(path)
-        return None if values is None else parse(CheckpointMetadata, values)
+        return None if values is None else parse(Checkpoint, {**values, "uri": uri})
     except ValueError as unreadable:  # not JSON, or a field (ConfigError)
         message = f"{path} is not checkpoint metadata this raywright reads ({unreadable})"
         raise UnreadableMetadataError(message) from None
 
 
-def _incompleteness(uri: str, metadata: CheckpointMetadata | None) -> str | None:
+def _incompleteness(uri: str, metadata: Checkpoint | None) -> str | None:
     """Why the checkpoint at ``uri`` with ``metadata`` is incomplete, or None if it is complete."""
     if metadata is None:
         return f"no {METADATA}"
@@ -128,11 +126,11 @@ def step_dirs(run_uri: str) -> list[str]:
 
 def read_complete(uri: str) -> Checkpoint:
     """The checkpoint at ``uri``; IncompleteCheckpointError saying why where it is incomplete."""
-    metadata = _read_metadata(uri)
-    reason = _incompleteness(uri, metadata)
+    found = _read_metadata(uri)
+    reason = _incompleteness(uri, found)
     if reason is not None:
         raise IncompleteCheckpointError(f"incomplete checkpoint {uri}: {reason}")
-    return Checkpoint(**metadata.model_dump(), uri=uri)
+    return found
 
 
 def latest_complete(run_uri: str) -> Checkpoint | None:

@@ -19,20 +19,17 @@ from train import storage
 from train.hf_gpt2 import CONFIG, WEIGHTS, hf_config, load_weights, read_model_config, to_hf_state
 from train.model import GPT
 from train.model_config import ModelConfig
+from train.provenance import Provenance
 from train.run_layout import export_uri
-from train.schema import ConfigError, Section, parse
+from train.schema import ConfigError, parse
 from train.tokenizer import EOT, BPETokenizer, load_tokenizer, save_tokenizer
 
 PROVENANCE = "raywright.json"
 
 
-class ExportProvenance(Section):
+class ExportProvenance(Provenance):
     """What ``raywright.json`` records of the training behind an export."""
 
-    data_manifest_sha256: str  # the prepared dataset's identity (``Manifest.sha256``)
-    # None only in an export of a checkpoint from before 2026-11-25, which did not record them.
-    data_source_sha256: str | None = None
-    code_version: str | None = None
     step: int
     config: dict[str, Any]  # the run's resolved TrainConfig (``to_dict``), in the schema of its day
     evaluation: dict[str, int | float] | None = None  # the step's, where the run's end exported it

@@ -17,12 +17,13 @@ from train import checkpoint, storage
 from train.cli import OneLineParser, config_errors_exit_2
 from train.config import config_from_dict
 from train.export import PROVENANCE, ExportProvenance, export_model
+from train.provenance import Provenance
 from train.schema import ConfigError, replace
 from train.tokenizer import load_tokenizer
 
 EXPORTS = "exports"
 # What an export's provenance takes from the checkpoint's metadata: its origin, step and config.
-ORIGIN = {"data_manifest_sha256", "data_source_sha256", "code_version", "step", "config"}
+ORIGIN = {*Provenance.model_fields, "step", "config"}
 
 
 def find_checkpoint(location: str, step: int | None) -> checkpoint.Checkpoint:

@@ -25,11 +25,12 @@ from train.data import dataset_path, prepare
 from train.export import final_evaluation
 from train.lease import Lease
 from train.loop import DivergedError, train_loop
-from train.loop_args import LoopArgs, Provenance
+from train.loop_args import LoopArgs
 from train.manifest import Manifest, load_manifest
 from train.metrics import HEALTH_CHECK_INTERVAL_ENV, MetricsRecorder, read_metrics
 from train.preflight import check_dataset_matches, cluster_address
 from train.process_group import free_port, own_state_api_env
+from train.provenance import Provenance
 from train.run_layout import export_uri
 from train.scaling_policy import ElasticTorchTrainer
 from train.schema import replace

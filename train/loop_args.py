@@ -7,15 +7,8 @@ as ``LoopArgs``. It loads neither torch nor DeepSpeed: Ray Train's controller re
 from typing import Any
 
 from train.config import TrainConfig
+from train.provenance import Provenance
 from train.schema import Section
-
-
-class Provenance(Section):
-    """Where a run's weights come from, as its checkpoints and its export record it."""
-
-    data_manifest_sha256: str  # the prepared dataset's identity (``Manifest.sha256``)
-    data_source_sha256: str  # the corpus's, whatever the order of its documents
-    code_version: str  # the git commit of the checkout, else the package version
 
 
 class LoopArgs(Section):
