@@ -36,13 +36,13 @@ from ray.cluster_utils import Cluster
 from cluster.drain import drain_node
 from train.config import load_config
 from train.launch import run_training
-from train.timeline import progress_of, timeline_of
+from train.timeline import Progress, progress_of, timeline_of
 
 SLOT = "bench_worker_slot"
 NODE_DISKS = tempfile.mkdtemp(prefix="rw-elastic-disks-")
 
 
-def wait_for(name: str, condition, run_thread: threading.Thread, timeout: float = 600) -> dict:
+def wait_for(name: str, condition, run_thread: threading.Thread, timeout: float = 600) -> Progress:
     deadline = time.time() + timeout
     while time.time() < deadline and run_thread.is_alive():
         progress = progress_of(name)
@@ -113,26 +113,26 @@ def recovery(args: argparse.Namespace, cluster: Cluster, nodes: list) -> dict:
     run, result = start_run(cfg)
     name = cfg.run.name
 
-    at = wait_for(name, lambda p: p["world_size"] == 3 and p["step"] >= 30, run)
+    at = wait_for(name, lambda p: p.world_size == 3 and p.step >= 30, run)
     killed = time.time()
     cluster.remove_node(nodes.pop(), allow_graceful=False)
-    first_step_after = wait_for(name, lambda p: p["attempts"] == at["attempts"] + 1 and p["step"] >= 1, run)
+    first_step_after = wait_for(name, lambda p: p.attempts == at.attempts + 1 and p.step >= 1, run)
     p4 = time.time() - killed
     nodes.append(add_spot_node(cluster))
-    at = wait_for(name, lambda p: p["world_size"] == 3 and p["attempts"] > first_step_after["attempts"], run)
+    at = wait_for(name, lambda p: p.world_size == 3 and p.attempts > first_step_after.attempts, run)
 
-    at = wait_for(name, lambda p, a=at: p["step"] >= a["step"] + 40, run)
+    at = wait_for(name, lambda p, a=at: p.step >= a.step + 40, run)
     preempt(cluster, nodes, args.notice_s)
-    wait_for(name, lambda p, a=at: p["attempts"] == a["attempts"] + 1 and p["world_size"] == 2, run)
+    wait_for(name, lambda p, a=at: p.attempts == a.attempts + 1 and p.world_size == 2, run)
     run.join()
     elastic = result[0].elastic
     return {
         "P4_node_loss_to_first_step_s": p4,
-        "resizes": elastic["resizes"],
-        "steps_redone_per_restart": elastic["steps_redone"] / max(1, elastic["restarts"]),
-        "goodput_measured": elastic["goodput"],
-        "wall_s": elastic["wall_s"],
-        "checkpoints": elastic["checkpoints"],
+        "resizes": [resize.model_dump(exclude_none=True) for resize in elastic.resizes],
+        "steps_redone_per_restart": elastic.steps_redone / max(1, elastic.restarts),
+        "goodput_measured": elastic.goodput,
+        "wall_s": elastic.wall_s,
+        "checkpoints": [event.model_dump() for event in elastic.checkpoints],
     }
 
 
@@ -140,7 +140,7 @@ def goodput(args: argparse.Namespace, cluster: Cluster, nodes: list) -> dict:
     cfg = bench_config(args.zero_stage, 10**7, "checkpoint.every_steps=0", "checkpoint.every_minutes=5")
     run, _ = start_run(cfg)
     name = cfg.run.name
-    wait_for(name, lambda p: p["world_size"] == 3 and p["step"] >= 1, run)
+    wait_for(name, lambda p: p.world_size == 3 and p.step >= 1, run)
     started = time.time()
     for k in range(int(args.minutes // args.preempt_every_min)):
         # The node goes mid-period (minute 5, 15, 25 of 30), so the window holds whole periods.
@@ -152,11 +152,11 @@ def goodput(args: argparse.Namespace, cluster: Cluster, nodes: list) -> dict:
     time.sleep(max(0.0, started + 60 * args.minutes - time.time()))
     elastic = ray.get(timeline_of(name).summary.remote())
     return {
-        "P4g_goodput": elastic["goodput"],
-        "wall_s": elastic["wall_s"],
-        "step_s": elastic["step_s"],
-        "resizes": elastic["resizes"],
-        "checkpoints": elastic["checkpoints"],
+        "P4g_goodput": elastic.goodput,
+        "wall_s": elastic.wall_s,
+        "step_s": elastic.step_s,
+        "resizes": [resize.model_dump(exclude_none=True) for resize in elastic.resizes],
+        "checkpoints": [event.model_dump() for event in elastic.checkpoints],
     }
 
 

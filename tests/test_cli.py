@@ -43,6 +43,7 @@ CASES = [
     ("train --set run.storage_path=s3://raywright-no-such-bucket/runs", "run.storage_path"),
     ("train --set run.storage_path={tmp}/resumed --set model.n_layer=3", "model.n_layer 2 -> 3"),
     ("train --set run.storage_path={tmp}/edited", "step_00000004/metadata.json is not checkpoint metadata this raywr"),
+    ("train --set run.storage_path={tmp}/edited-record", "tiny/timeline.json is not a run timeline this raywright"),
     ("train --set run.storage_path={tmp}/owned", f"being trained by another driver (pid {os.getpid()}"),
     ("train --bogus", "unrecognized arguments: --bogus"),
     ("tune", "give one of --config and --resume"),
@@ -90,6 +91,8 @@ def answers(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     edited = tmp / "edited" / "tiny" / "checkpoints" / "step_00000004"  # its metadata edited by hand
     edited.mkdir(parents=True)
     (edited / "metadata.json").write_text(json.dumps({**metadata_json(4, files={}), "world_size": "2"}))
+    (tmp / "edited-record" / "tiny").mkdir(parents=True)  # a run whose timeline was edited by hand
+    (tmp / "edited-record" / "tiny" / "timeline.json").write_text(json.dumps({"attempts": [{"world_size": "2"}]}))
     (tmp / "stale-record").mkdir()  # a model whose training record this version cannot read
     (tmp / "stale-record" / "config.json").write_text("{}")
     (tmp / "stale-record" / "raywright.json").write_text(json.dumps({"provenance": {"data_manifest_sha256": "0"}}))
@@ -122,6 +125,7 @@ def answers(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     assert not (tmp / "runs").exists() and not (tmp / "prepared").exists()  # a rejected run writes nothing
     assert [p.name for p in (tmp / "resumed").iterdir()] == ["tiny"]
     assert [p.name for p in edited.iterdir()] == ["metadata.json"]  # a checkpoint it cannot read is left as it was
+    assert [p.name for p in (tmp / "edited-record" / "tiny").iterdir()] == ["timeline.json"]
     return done
 
 

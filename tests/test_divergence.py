@@ -11,11 +11,12 @@ import torch
 
 from train import checkpoint, storage
 from train.config import load_config
-from train.launch import ELASTIC_SUMMARY, loop_args, run_training, run_uri
+from train.launch import loop_args, run_training, run_uri
 from train.loop import DivergedError, train_loop
 from train.manifest import load_manifest
 from train.metrics import read_metrics
 from train.run_layout import export_uri
+from train.timeline import read_summary
 
 pytestmark = pytest.mark.cluster
 
@@ -36,7 +37,7 @@ def test_a_diverging_run_ends_at_once_and_keeps_no_checkpoint_of_it(tiny_config)
         run_training(cfg)
     run = run_uri(cfg)
     assert_newest_checkpoint_is_finite_and_named(run, str(diverged.value))
-    assert len(storage.read_json(f"{run}/{ELASTIC_SUMMARY}")["world_size_timeline"]) == 1  # not restarted
+    assert len(read_summary(run).world_size_timeline) == 1  # not restarted
     reports = read_metrics(run)
     assert reports[-1]["diverged"] == str(diverged.value)
     assert all(math.isfinite(m["loss"]) for m in reports if "loss" in m)  # no NaN was reported

@@ -29,7 +29,7 @@ from train.data import prepare
 from train.launch import run_training, run_uri
 from train.loader import SampleOrder
 from train.manifest import load_manifest
-from train.timeline import progress_of
+from train.timeline import Progress, progress_of
 
 pytestmark = pytest.mark.cluster
 
@@ -78,12 +78,12 @@ def _data_copied_at(disk: str) -> float:
     return copy.stat().st_mtime
 
 
-def _wait_for(run_name: str, attempts: int, world_size: int, min_step: int, thread, timeout: float = 240) -> dict:
+def _wait_for(run_name: str, attempts: int, world_size: int, min_step: int, thread, timeout: float = 240) -> Progress:
     deadline = time.time() + timeout
     while time.time() < deadline:
         assert thread.is_alive(), "the run ended before the scenario was played"
         progress = progress_of(run_name)
-        if progress["attempts"] == attempts and progress["world_size"] == world_size and progress["step"] >= min_step:
+        if progress.attempts == attempts and progress.world_size == world_size and progress.step >= min_step:
             return progress
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for attempt {attempts} at {world_size} workers: {progress}")
@@ -157,10 +157,10 @@ def test_shrink_grow_and_preemption_keep_the_numbers_exact(
     at = _wait_for(cfg.run.name, attempts=1, world_size=3, min_step=12, thread=thread)
     lost = worker_nodes[2]
     ray_cluster.remove_node(lost, allow_graceful=False)  # (a) a node dies without notice
-    at = _wait_for(cfg.run.name, attempts=2, world_size=2, min_step=at["step"] + 2, thread=thread)
+    at = _wait_for(cfg.run.name, attempts=2, world_size=2, min_step=at.step + 2, thread=thread)
     returned_disk = tempfile.mkdtemp(dir=node_disks)
     worker_nodes[2] = _add_node(ray_cluster, node_disks, returned_disk)  # (b) capacity returns
-    at = _wait_for(cfg.run.name, attempts=3, world_size=3, min_step=at["step"] + 2, thread=thread)
+    at = _wait_for(cfg.run.name, attempts=3, world_size=3, min_step=at.step + 2, thread=thread)
     preempted = worker_nodes[1]
     drain_node(preempted.node_id, deadline_s=6)  # (c) a spot pre-emption notice with a deadline
     _wait_for(cfg.run.name, attempts=4, world_size=2, min_step=0, thread=thread)
@@ -172,22 +172,22 @@ def test_shrink_grow_and_preemption_keep_the_numbers_exact(
     summary = result[0]
     elastic = summary.elastic
 
-    resizes = [(r["from"], r["to"], r["reason"]) for r in elastic["resizes"]]
+    resizes = [(r.from_workers, r.to_workers, r.reason) for r in elastic.resizes]
     assert resizes == [(3, 2, "node lost"), (2, 3, "capacity returned"), (3, 2, "preemption")]
-    jit = [c["step"] for c in elastic["checkpoints"] if c["reason"] == "preemption"]
-    last = [c["step"] for c in elastic["checkpoints"] if c["reason"] == "deadline"]
+    jit = [c.step for c in elastic.checkpoints if c.reason == "preemption"]
+    last = [c.step for c in elastic.checkpoints if c.reason == "deadline"]
     # A just-in-time checkpoint at the notice, a last one shortly before the deadline, at which the run waits
     # for Ray Train's restart: the steps trained while the node drained are not lost, and none is redone.
     assert len(jit) == 1 and len(last) == 1 and last[0] > jit[0]
     # Growing back waits for the checkpoint it asked for, at which the run waits for the restart: no step is
     # redone, where Ray alone restarts from the last periodic checkpoint (up to checkpoint.every_steps - 1 redone).
-    assert elastic["resizes"][1]["steps_redone"] == 0, elastic["resizes"][1]
+    assert elastic.resizes[1].steps_redone == 0, elastic.resizes[1]
     # The returned node copied the data while the run trained on, before that checkpoint: no worker waited for it.
-    grow_checkpoint = next(c for c in elastic["checkpoints"] if c["step"] == elastic["resizes"][1]["at_step"])
-    assert _data_copied_at(returned_disk) < grow_checkpoint["time"]
-    assert elastic["resizes"][2]["at_step"] == last[0] and elastic["resizes"][2]["steps_redone"] == 0
-    assert all(r["seconds_lost"] > 0 for r in elastic["resizes"])
-    assert 0 < elastic["goodput"] < 1 and elastic["cost"] < elastic["cost_on_demand_only"]
+    grow_checkpoint = next(c for c in elastic.checkpoints if c.step == elastic.resizes[1].at_step)
+    assert _data_copied_at(returned_disk) < grow_checkpoint.time
+    assert elastic.resizes[2].at_step == last[0] and elastic.resizes[2].steps_redone == 0
+    assert all(r.seconds_lost > 0 for r in elastic.resizes)
+    assert 0 < elastic.goodput < 1 and elastic.cost < elastic.cost_on_demand_only
     assert summary.steps == max_steps and summary.final_val_loss < summary.initial_val_loss
 
     # Every step trained exactly the samples it owns: each sample of the epoch exactly once.

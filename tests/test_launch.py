@@ -10,11 +10,10 @@ import time
 
 import pytest
 
-from train import storage
 from train.launch import run_training
 from train.lease import LEASE
 from train.process_group import free_port
-from train.timeline import TIMELINE
+from train.timeline import read_saved_state
 
 # Asks the state API from a process of the private Ray, as Ray Train's placement-group cleaner does for a run.
 FIND_ITSELF = """
@@ -113,8 +112,8 @@ def test_a_run_stopped_mid_training_resumes_as_a_new_segment_of_its_record(tiny_
 
     summary = run_training(cfg)
     elastic = summary.elastic
-    assert summary.steps == 60 and elastic["restarts"] == 0 and elastic["resizes"] == []
-    first, resumed = (segment["from_step"] for segment in elastic["world_size_timeline"])
+    assert summary.steps == 60 and elastic.restarts == 0 and elastic.resizes == []
+    first, resumed = (segment.from_step for segment in elastic.world_size_timeline)
     assert first == 0 and 20 <= resumed < 60 and resumed % 10 == 0  # a checkpoint from when it was stopped
-    attempts = storage.read_json(storage.join(summary.run_dir, TIMELINE))["attempts"]
-    assert elastic["wall_s"] == pytest.approx(sum(a["end"] - a["start"] for a in attempts), abs=0.01)
+    attempts = read_saved_state(summary.run_dir).attempts
+    assert elastic.wall_s == pytest.approx(sum(a.end - a.start for a in attempts), abs=0.01)

@@ -18,9 +18,9 @@ from serve.app import build_app
 from tests.conftest import free_port
 from train import checkpoint, storage
 from train.export import load_exported
-from train.launch import ELASTIC_SUMMARY
 from train.lease import LEASE
 from train.metrics import METRICS, TENSORBOARD, read_metrics
+from train.timeline import read_summary
 
 pytestmark = pytest.mark.cluster
 
@@ -109,11 +109,11 @@ def test_a_run_in_a_bucket_survives_its_driver_killed_resumes_at_another_size_an
     steps = [m["step"] for m in read_metrics(run_uri) if "loss" in m]
     assert steps[0] == 1 and steps[-1] == MAX_STEPS and len(steps) > MAX_STEPS // 2
     # One record of both drivers' training: the killed one's attempt, then the restart at 1 worker.
-    elastic = storage.read_json(f"{run_uri}/{ELASTIC_SUMMARY}")
-    assert [(r["from"], r["to"], r["reason"]) for r in elastic["resizes"]] == [(2, 1, "driver lost")], elastic
-    assert elastic["restarts"] == 1 and elastic["world_size_timeline"][1]["from_step"] == killed_at.step
-    assert "resize 2 -> 1 workers (driver lost): " in output and elastic["resizes"][0]["driver_gone_s"] > 0
-    assert 0 < elastic["step_s"] < elastic["wall_s"]
+    elastic = read_summary(run_uri)
+    assert [(r.from_workers, r.to_workers, r.reason) for r in elastic.resizes] == [(2, 1, "driver lost")], elastic
+    assert elastic.restarts == 1 and elastic.world_size_timeline[1].from_step == killed_at.step
+    assert "resize 2 -> 1 workers (driver lost): " in output and elastic.resizes[0].driver_gone_s > 0
+    assert 0 < elastic.step_s < elastic.wall_s
     assert not storage.exists(f"{run_uri}/{LEASE}")  # released at the end
     assert not (tmp_path / "runs").exists()
     for side_file in (METRICS, TENSORBOARD):  # the node-local copies the recorder uploaded them from

@@ -8,17 +8,18 @@ import threading
 import time
 
 import pytest
+import ray
 from ray._common.test_utils import wait_for_condition
 
 from tests.conftest import training_worker_pids
 from train import checkpoint, storage
 from train.config import load_config
-from train.launch import ELASTIC_SUMMARY, loop_args, record_trained_run, run_training, run_uri
+from train.launch import loop_args, record_trained_run, run_training, run_uri
 from train.lease import LEASE
 from train.loop import train_loop
 from train.manifest import load_manifest
 from train.metrics import read_metrics
-from train.timeline import TIMELINE, RunTimeline, progress_of
+from train.timeline import ELASTIC_SUMMARY, TIMELINE, RunTimeline, progress_of
 
 pytestmark = pytest.mark.cluster
 
@@ -45,15 +46,15 @@ def test_a_run_trains_through_a_storage_outage_and_loses_nothing(ray_session, s3
     result = []
     thread = threading.Thread(target=lambda: result.append(run_training(cfg)))
     thread.start()
-    wait_for_condition(lambda: progress_of(cfg.run.name)["step"] >= 25, timeout=180)  # checkpoints 10 and 20 count
+    wait_for_condition(lambda: progress_of(cfg.run.name).step >= 25, timeout=180)  # checkpoints 10 and 20 count
     with s3_server.outage():
-        reached = progress_of(cfg.run.name)["step"]
+        reached = progress_of(cfg.run.name).step
         time.sleep(15)  # metrics uploads, checkpoints and lease renewals fail meanwhile
-        assert progress_of(cfg.run.name)["step"] > reached  # training went on
+        assert progress_of(cfg.run.name).step > reached  # training went on
     thread.join(timeout=300)
 
     assert result and result[0].steps == 150
-    assert len(result[0].elastic["world_size_timeline"]) == 1  # no restart
+    assert len(result[0].elastic.world_size_timeline) == 1  # no restart
     reports = read_metrics(run)
     assert [m["step"] for m in reports if "loss" in m] == [1, *range(5, 151, 5)]  # every report, once
     failed = [m["checkpoint_failed"] for m in reports if "checkpoint_failed" in m]
@@ -116,8 +117,8 @@ def test_a_run_restarted_while_its_storage_is_down_waits_for_it(ray_session, s3_
     thread = threading.Thread(target=lambda: result.append(run_training(cfg)))
     thread.start()
     wait_for_condition(lambda: checkpoint.latest_complete(run) is not None, timeout=180)  # step 25's
-    written_at = progress_of(cfg.run.name)["step"]
-    wait_for_condition(lambda: progress_of(cfg.run.name)["step"] >= written_at + 5)  # and its report is in
+    written_at = progress_of(cfg.run.name).step
+    wait_for_condition(lambda: progress_of(cfg.run.name).step >= written_at + 5)  # and its report is in
     printed = []  # by this driver: its Ray forwards the workers' output
 
     def a_worker_waits_for_storage() -> bool:
@@ -131,8 +132,8 @@ def test_a_run_restarted_while_its_storage_is_down_waits_for_it(ray_session, s3_
     thread.join(timeout=300)
 
     assert result and result[0].steps == 60
-    assert len(result[0].elastic["world_size_timeline"]) == 2  # one restart, the killed worker's
-    assert result[0].elastic["resizes"][0]["storage_wait_s"] > 5  # it started in the outage, and waited
+    assert len(result[0].elastic.world_size_timeline) == 2  # one restart, the killed worker's
+    assert result[0].elastic.resizes[0].storage_wait_s > 5  # it started in the outage, and waited
     assert checkpoint.latest_complete(run).step == 60
 
 
@@ -145,6 +146,7 @@ def test_a_trained_run_whose_storage_is_down_at_its_end_saves_its_record_once_st
     cfg = _config("data-unused", s3_bucket, "run.name=ends-in-outage", "run.storage_wait_s=120")
     run = run_uri(cfg)
     timeline = RunTimeline.remote(cfg.cost.price_per_hour, cfg.cost.on_demand_type, run, None, 600)
+    ray.get(timeline.attempt_started.remote(1, [ray.get_runtime_context().get_node_id()], 0))  # its last segment
     ended = []
     with s3_server.outage():
         driver = threading.Thread(target=lambda: ended.append(record_trained_run(cfg, timeline)))

@@ -20,10 +20,10 @@ from train import checkpoint, storage
 from train.config import DataConfig, load_config
 from train.data import prepare
 from train.export import load_exported
-from train.launch import ELASTIC_SUMMARY, run_training, run_uri
+from train.launch import run_training, run_uri
 from train.metrics import read_metrics
 from train.schema import replace
-from train.timeline import progress_of
+from train.timeline import ELASTIC_SUMMARY, progress_of, read_summary
 
 pytestmark = pytest.mark.cluster
 
@@ -145,15 +145,15 @@ def test_resume_skips_half_written_checkpoint_and_matches_uninterrupted_losses(t
         assert m["loss"] == pytest.approx(uninterrupted[m["step"]], abs=1e-6)
 
     # Run once more, finished: nothing trains, and the record of the training that did is kept as it was.
-    elastic = storage.read_bytes(f"{run}/{ELASTIC_SUMMARY}")
+    elastic, written = read_summary(run), storage.read_bytes(f"{run}/{ELASTIC_SUMMARY}")
     capsys.readouterr()
     again = run_training(cfg)
     assert "'resume' is already trained to step 20 and exported; nothing to train" in capsys.readouterr().out
     assert again == resumed
-    assert read_metrics(run_uri(cfg)) == records and storage.read_bytes(f"{run}/{ELASTIC_SUMMARY}") == elastic
+    assert read_metrics(run_uri(cfg)) == records and storage.read_bytes(f"{run}/{ELASTIC_SUMMARY}") == written
     # A driver that stopped after the export, before it wrote that record: the same record, from the saved events.
     os.remove(f"{run}/{ELASTIC_SUMMARY}")
-    assert run_training(cfg).elastic == json.loads(elastic)
+    assert run_training(cfg).elastic == elastic
 
 
 @pytest.mark.parametrize(
@@ -233,15 +233,15 @@ def test_a_worker_killed_mid_checkpoint_then_a_second_failure_resume_from_comple
     thread = threading.Thread(target=lambda: result.append(run_training(cfg)))
     thread.start()
     run = run_uri(cfg)
-    wait_for_condition(lambda: progress_of(cfg.run.name)["step"] >= 5, timeout=180)  # step 4's checkpoint exists
+    wait_for_condition(lambda: progress_of(cfg.run.name).step >= 5, timeout=180)  # step 4's checkpoint exists
     killed_at = _kill_a_worker_while_a_checkpoint_is_written(run, time.time() + 60)
-    wait_for_condition(lambda: progress_of(cfg.run.name)["attempts"] == 2, timeout=120)
-    wait_for_condition(lambda: progress_of(cfg.run.name)["step"] >= killed_at + 6, timeout=120)
+    wait_for_condition(lambda: progress_of(cfg.run.name).attempts == 2, timeout=120)
+    wait_for_condition(lambda: progress_of(cfg.run.name).step >= killed_at + 6, timeout=120)
     os.kill(training_worker_pids()[0], signal.SIGKILL)  # the second failure, between checkpoints
     thread.join(timeout=300)
 
     assert result and result[0].steps == 40
-    resumed_from = [attempt["from_step"] for attempt in result[0].elastic["world_size_timeline"]]
+    resumed_from = [segment.from_step for segment in result[0].elastic.world_size_timeline]
     # Attempt 2 resumed from the checkpoint before the broken one, attempt 3 from one written after it.
     assert resumed_from[:2] == [0, killed_at - 4] and resumed_from[2] >= killed_at, resumed_from
     kept = [name for name in storage.list_dir(f"{run}/{checkpoint.CHECKPOINTS}") if name.startswith("step_")]

@@ -51,11 +51,11 @@ def main(argv: list[str] | None = None) -> int:
         "steps": summary.steps,
         "val loss": " -> ".join(f"{v:.4f}" for v in (summary.initial_val_loss, summary.final_val_loss) if v),
     }
-    if elastic:  # none where the driver that trained the run stopped before it could write the record
-        lines["restarts"] = f"{elastic['restarts']} ({elastic['steps_redone']} steps redone)"
-        lines["goodput"] = f"{elastic['goodput']:.1%}"
-    if "cost" in elastic:
-        lines["cost"] = f"{elastic['cost']:.2f} (on-demand only: {elastic['cost_on_demand_only']:.2f})"
+    if elastic:  # none where the run's drivers left no record of its attempts
+        lines["restarts"] = f"{elastic.restarts} ({elastic.steps_redone} steps redone)"
+        lines["goodput"] = f"{elastic.goodput:.1%}"
+    if elastic and elastic.cost is not None:
+        lines["cost"] = f"{elastic.cost:.2f} (on-demand only: {elastic.cost_on_demand_only:.2f})"
     print("\n".join(f"{key:>10}: {value}" for key, value in lines.items()))
     return 0
 

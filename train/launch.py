@@ -34,9 +34,15 @@ from train.provenance import Provenance
 from train.run_layout import export_uri
 from train.scaling_policy import ElasticTorchTrainer
 from train.schema import replace
-from train.timeline import TIMELINE, TIMELINE_PREFIX, RunTimeline, state_from_json, summarize
-
-ELASTIC_SUMMARY = "elastic_summary.json"
+from train.timeline import (
+    TIMELINE_PREFIX,
+    ElasticSummary,
+    RunTimeline,
+    read_saved_state,
+    read_summary,
+    summarize,
+    write_summary,
+)
 
 # One progress line per report in the terminal, without Ray Train's echo of every report.
 RAY_TRAIN_LOGGING_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_TRAIN_ENABLE_WORKER_STRUCTURED_LOGGING": "0"}
@@ -61,7 +67,7 @@ class RunSummary:
     initial_val_loss: float | None
     final_val_loss: float | None
     steps: int
-    elastic: dict  # world-size timeline, resizes, steps redone, goodput, cost (train/timeline.py)
+    elastic: ElasticSummary | None  # None: the run's drivers left no record of its attempts (train/timeline.py)
 
 
 def code_version() -> str:
@@ -273,7 +279,7 @@ def _train_holding_lease(cfg: TrainConfig, stop_on_sigterm: bool) -> RunSummary:
         cfg.cost.price_per_hour,
         cfg.cost.on_demand_type,
         run,
-        storage.read_json_if_exists(storage.join(run, TIMELINE)),  # an earlier driver's, continued
+        read_saved_state(run),  # an earlier driver's, continued
         cfg.run.side_files_upload_s,
     )
     try:
@@ -298,7 +304,8 @@ def record_trained_run(cfg: TrainConfig, timeline: ActorHandle) -> RunSummary:
     ray.get(timeline.finished.remote())
     elastic = ray.get(timeline.summary.remote())
     ray.kill(timeline)
-    storage.write_json(storage.join(run, ELASTIC_SUMMARY), elastic)
+    if elastic:
+        write_summary(run, elastic)
     reports = read_metrics(run)
     if reports and "diverged" in reports[-1]:
         raise DivergedError(reports[-1]["diverged"], reports[-1]["step"])
@@ -317,14 +324,16 @@ def _already_trained(cfg: TrainConfig) -> RunSummary | None:
     evaluation = final_evaluation(run)
     if evaluation is None or evaluation["step"] != latest.step:
         return None
-    elastic = storage.read_json_if_exists(storage.join(run, ELASTIC_SUMMARY))
+    elastic = read_summary(run)
     if elastic is None:  # its driver stopped before it wrote the record: made again from the events it saved
-        saved = storage.read_json_if_exists(storage.join(run, TIMELINE))
-        elastic = summarize(state_from_json(saved), cfg.cost.price_per_hour, cfg.cost.on_demand_type) if saved else {}
+        saved = read_saved_state(run)
+        elastic = saved and summarize(saved, cfg.cost.price_per_hour, cfg.cost.on_demand_type)
     return _summary(run, latest, read_metrics(run), elastic)
 
 
-def _summary(run: str, latest: checkpoint.Checkpoint | None, reports: list[dict], elastic: dict) -> RunSummary:
+def _summary(
+    run: str, latest: checkpoint.Checkpoint | None, reports: list[dict], elastic: ElasticSummary | None
+) -> RunSummary:
     val_losses = [m["val_loss"] for m in reports if "val_loss" in m]
     return RunSummary(
         run_dir=run,

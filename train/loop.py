@@ -45,7 +45,7 @@ from train.run_files import JsonlLog
 from train.run_layout import export_uri
 from train.schedule import lr_at
 from train.schema import parse, replace
-from train.timeline import describe_resize
+from train.timeline import CheckpointEvent, Startup, describe_resize
 from train.tokenizer import load_tokenizer
 
 SAMPLE_LOG = "samples.jsonl"
@@ -183,16 +183,16 @@ class Trainer:
         torch.set_num_threads(cfg.scaling.cpus_per_worker)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.timeline = ray.get_actor(args.timeline) if args.timeline and self.rank == 0 else None
-        self.startup = {"entered": time.time()}  # where a (re)start's seconds go, for the timeline's resize record
+        self.startup = Startup(entered=time.time())  # where a (re)start's seconds go, for the timeline's resize record
         waited = storage.wait_until_reachable([self.run_uri, args.data_path], cfg.run.storage_wait_s)
         if waited:
-            self.startup["storage_wait_s"] = waited
+            self.startup.storage_wait_s = waited
         mark = time.time()
         self.tokenizer = load_tokenizer(args.data_path)
         self.train_rows = load_split(args.data_path, "train")
         self.val_rows = load_split(args.data_path, "val")[: cfg.run.eval_samples]
         self.order = SampleOrder(len(self.train_rows), cfg.run.seed)
-        self.startup["data_s"] = time.time() - mark
+        self.startup.data_s = time.time() - mark
         self.evaluation: dict[str, float] | None = None  # the latest; the export records the last step's
         latest = self._restore()  # sets self.engine, self.grad_accum and self.step
 
@@ -209,7 +209,7 @@ class Trainer:
         self.steps_to_preemption_check = 1
         self.last_save = time.time()  # the time-based schedule starts with the attempt
         # Early-checkpoint requests up to this time are answered (by the checkpoint resumed from, if any).
-        self.answered_until = latest.time if latest else self.startup["entered"]
+        self.answered_until = latest.time if latest else self.startup.entered
         self.save_seconds = 0.0  # from the start of the latest checkpoint until it counted
         self.pending: checkpoint.PendingCheckpoint | None = None  # a checkpoint being written, at most one
         self.answered_before_pending = self.answered_until  # what a failure of the pending checkpoint restores
@@ -225,7 +225,7 @@ class Trainer:
         mark = time.time()
         if universal:
             checkpoint.convert_to_universal(latest)
-        self.startup["convert_s"] = time.time() - mark
+        self.startup.convert_s = time.time() - mark
 
         self.cfg = cfg = self._with_memory_plan(latest)
         mark = time.time()
@@ -240,13 +240,13 @@ class Trainer:
         if cfg.checkpoint.async_write:
             self.engine.checkpoint_engine = BackgroundWriter()
         self.grad_accum = self.engine.gradient_accumulation_steps()
-        self.startup["engine_s"] = time.time() - mark
+        self.startup.engine_s = time.time() - mark
 
         self.step = self.newest_checkpoint_step = 0
         if latest is not None:
             mark = time.time()
             checkpoint.load(self.engine, latest, universal)
-            self.startup["load_s"] = time.time() - mark
+            self.startup.load_s = time.time() - mark
             self.step = self.newest_checkpoint_step = latest.step
             if self.rank == 0:
                 via = f", converted from {latest.world_size} workers" if universal else ""
@@ -256,7 +256,7 @@ class Trainer:
         node_ids = [None] * world
         dist.all_gather_object(node_ids, ray.get_runtime_context().get_node_id())
         if self.timeline:
-            resumed = {"step": latest.step, "reason": latest.reason, "time": latest.time} if latest else None
+            resumed = CheckpointEvent(step=latest.step, reason=latest.reason, time=latest.time) if latest else None
             self.timeline.attempt_started.remote(world, node_ids, self.step, self.startup, resumed)
         return latest
 
@@ -362,7 +362,7 @@ class Trainer:
         resize = ray.get(self.timeline.latest_resize.remote()) if step == self.first_step and self.timeline else None
         if resize:
             print(describe_resize(resize), flush=True)
-            metrics.update({f"resize_{key}": value for key, value in resize.items()})
+            metrics.update({f"resize_{key}": value for key, value in resize.model_dump(exclude_none=True).items()})
         if self.pending:  # the same steps on every rank, as the checkpoint was started at the same step
             metrics.update(self._settle_checkpoint(wait=False))
         notice, view = self._notice_and_view(seconds)
@@ -436,7 +436,7 @@ class Trainer:
         requested = restart = 0.0
         if due and self.rank == 0:
             requested, restart = latest_checkpoint_request(self.run_uri), latest_restart_request(self.run_uri)
-            if restart < self.startup["entered"]:  # asked of an earlier attempt: this attempt is its restart
+            if restart < self.startup.entered:  # asked of an earlier attempt: this attempt is its restart
                 restart = 0.0
         mine = Rank0View(
             time.time(), self.last_save, step_seconds, self.save_seconds, requested, self.answered_until, restart

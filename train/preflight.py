@@ -135,11 +135,16 @@ RESUME_MUST_MATCH = (
 
 
 def check_resume(cfg: TrainConfig) -> None:
-    """A run that resumes (its name has a checkpoint) keeps the settings and the dataset the checkpoint needs."""
+    """A run that resumes (its name has a checkpoint) keeps the settings and the dataset the checkpoint needs,
+    and its drivers' record of it is one this version continues."""
     run_uri = storage.join(cfg.run.storage_path, cfg.run.name)
     if not storage.exists(run_uri):
         return
     from train import checkpoint  # imports DeepSpeed: only for a run that may resume
+    from train.timeline import read_saved_state, read_summary
+
+    read_saved_state(run_uri)
+    read_summary(run_uri)
 
     latest = checkpoint.latest_complete(run_uri)
     if latest is None:

@@ -109,6 +109,18 @@ def parse(cls: type[SectionT], values: dict[str, Any]) -> SectionT:
         raise ConfigError(_describe(cls, exc.errors())) from None
 
 
+def parse_json(cls: type[SectionT], data: bytes) -> SectionT:
+    """``cls`` validated from the JSON document ``data`` (its object keys may stand for numbers); ConfigError
+    with one line naming the key, or saying it is not JSON, otherwise."""
+    try:
+        return cls.model_validate_json(data)
+    except ValidationError as exc:
+        errors = exc.errors()
+        if errors[0]["type"] == "json_invalid":
+            raise ConfigError(f"not JSON: {errors[0]['ctx']['error']}") from None
+        raise ConfigError(_describe(cls, errors)) from None
+
+
 def replace(section: SectionT, **changes: Any) -> SectionT:
     """A copy of ``section`` with ``changes``, validated again (pydantic's model_copy does not)."""
     return parse(type(section), {**section.model_dump(), **changes})
