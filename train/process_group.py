@@ -36,10 +36,23 @@ def own_state_api_env(dashboard_port: int) -> dict[str, str]:
 
 @contextlib.contextmanager
 def one_process_group(use_gpu: bool) -> Iterator[None]:
-    """Rank 0 of 1 (NCCL where ``use_gpu`` and a GPU is here, else gloo) inside the block."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group("nccl" if use_gpu and torch.cuda.is_available() else "gloo", rank=0, world_size=1)
+    """Rank 0 of 1 (NCCL where ``use_gpu`` and a GPU is here, else gloo) inside the block.
+
+    The launcher's variables that DeepSpeed reads are set inside it only: left behind, the next group that this
+    process (a notebook, a reused trial actor) made from its environment would join a port no one listens on.
+    """
+    group_env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    before = {name: os.environ.get(name) for name in group_env}
+    os.environ.update(group_env)
     try:
-        yield
+        dist.init_process_group("nccl" if use_gpu and torch.cuda.is_available() else "gloo", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
     finally:
-        dist.destroy_process_group()
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
