@@ -9,7 +9,14 @@ import torch
 
 from serve.decoder import Decoder, padded_prompts, span_bucket
 from serve.engine import GENERATION_FAILED, Chunk, ContinuousBatcher, Engine, GenerationParams, Sequence, joined
-from serve.precision import EXACT_FLOAT32_K, Int8Linear, apply_precision, int8_matmul
+from serve.precision import (
+    EXACT_FLOAT32_K,
+    Int8Linear,
+    apply_precision,
+    int8_matmul_kernel,
+    int8_matmul_on_float_units,
+    int8_matmul_on_integer_units,
+)
 from serve.sampling import apply_penalties, make_generator, token_logprob
 from serve.sampling import next_token as next_token_tensor
 from serve.textstream import TextStream
@@ -61,12 +68,16 @@ def test_int8_linear_is_close_to_float_and_independent_of_the_batch():
 
 
 @pytest.mark.parametrize("k", [64, EXACT_FLOAT32_K, 3 * EXACT_FLOAT32_K + 7])
-def test_int8_matmul_on_float_units_is_exact(k):
+@pytest.mark.parametrize("batch", [1, 32])
+def test_both_int8_matmul_kernels_are_exact_so_the_faster_one_changes_no_token(k, batch):
     torch.manual_seed(0)
-    a = torch.randint(-127, 128, (32, k), dtype=torch.int8)
+    a = torch.randint(-127, 128, (batch, k), dtype=torch.int8)
     b = torch.randint(-127, 128, (k, 24), dtype=torch.int8)
     a[0], b[:, 0] = 127, 127  # the largest sum there is, where float32 would first round
-    assert torch.equal(int8_matmul(a, b), torch._int_mm(a, b).float())
+    exact = (a.long() @ b.long()).float()  # int64 sums, rounded once
+    assert torch.equal(int8_matmul_on_float_units(a, b), exact)
+    assert torch.equal(int8_matmul_on_integer_units(a, b), exact)
+    assert int8_matmul_kernel() in (int8_matmul_on_float_units, int8_matmul_on_integer_units)
 
 
 def test_fp8_is_refused_on_cpu():
