@@ -128,11 +128,9 @@ def recovery(args: argparse.Namespace, cluster: Cluster, nodes: list) -> dict:
     elastic = result[0].elastic
     return {
         "P4_node_loss_to_first_step_s": p4,
-        "resizes": [resize.model_dump(exclude_none=True) for resize in elastic.resizes],
         "steps_redone_per_restart": elastic.steps_redone / max(1, elastic.restarts),
         "goodput_measured": elastic.goodput,
-        "wall_s": elastic.wall_s,
-        "checkpoints": [event.model_dump() for event in elastic.checkpoints],
+        **elastic.model_dump(include={"wall_s", "resizes", "checkpoints"}, exclude_none=True),
     }
 
 
@@ -153,10 +151,7 @@ def goodput(args: argparse.Namespace, cluster: Cluster, nodes: list) -> dict:
     elastic = ray.get(timeline_of(name).summary.remote())
     return {
         "P4g_goodput": elastic.goodput,
-        "wall_s": elastic.wall_s,
-        "step_s": elastic.step_s,
-        "resizes": [resize.model_dump(exclude_none=True) for resize in elastic.resizes],
-        "checkpoints": [event.model_dump() for event in elastic.checkpoints],
+        **elastic.model_dump(include={"wall_s", "step_s", "resizes", "checkpoints"}, exclude_none=True),
     }
 
 

@@ -46,11 +46,10 @@ def one_process_group(use_gpu: bool) -> Iterator[None]:
     os.environ.update(group_env)
     try:
         dist.init_process_group("nccl" if use_gpu and torch.cuda.is_available() else "gloo", rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
+        yield
     finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
         for name, value in before.items():
             if value is None:
                 os.environ.pop(name, None)

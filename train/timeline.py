@@ -17,14 +17,14 @@ whose gap is not wall time. The driver that finishes the run writes its summary,
 import time
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import Literal, TypeVar
+from typing import Literal
 
 import ray
 from pydantic import ConfigDict, Field
 
 from train import storage
 from train.run_files import try_upload
-from train.schema import ConfigError, Section, parse_json
+from train.schema import ConfigError, Section, SectionT, parse_json
 
 TIMELINE_PREFIX = "raywright-timeline-"
 TIMELINE = "timeline.json"  # the events of the run's drivers so far, in the run's directory
@@ -124,9 +124,9 @@ class ElasticSummary(Section):
 class Progress:
     """A running run's attempts so far, world size and last step (for tests, benchmarks, dashboards)."""
 
-    attempts: int
-    world_size: int | None  # None: no attempt started yet
-    step: int  # -1: none finished yet
+    attempts: int = 0
+    world_size: int | None = None  # None: no attempt started yet
+    step: int = -1  # -1: none finished yet
 
 
 # Where a restart's seconds go, in order; the first step after them completes the seconds lost.
@@ -143,7 +143,7 @@ def timeline_of(run_name: str):
 def progress_of(run_name: str) -> Progress:
     """Attempts, world size and last step of a running run."""
     timeline = timeline_of(run_name)
-    return ray.get(timeline.progress.remote()) if timeline else Progress(attempts=0, world_size=None, step=-1)
+    return ray.get(timeline.progress.remote()) if timeline else Progress()
 
 
 def describe_resize(resize: Resize) -> str:
@@ -161,10 +161,7 @@ def node_price_type(resources: dict[str, float], prices: dict[str, float], defau
     return next((kind for kind in prices if resources.get(kind, 0) > 0), default)
 
 
-RecordT = TypeVar("RecordT", bound=Section)
-
-
-def _read(cls: type[RecordT], run_uri: str, name: str, what: str) -> RecordT | None:
+def _read(cls: type[SectionT], run_uri: str, name: str, what: str) -> SectionT | None:
     path = storage.join(run_uri, name)
     data = storage.read_if_exists(path)
     try:
@@ -185,8 +182,7 @@ def read_summary(run_uri: str) -> ElasticSummary | None:
 
 
 def write_summary(run_uri: str, summary: ElasticSummary) -> None:
-    data = summary.model_dump_json(indent=2, exclude_none=True).encode()
-    storage.write_bytes(storage.join(run_uri, ELASTIC_SUMMARY), data)
+    storage.write_json(storage.join(run_uri, ELASTIC_SUMMARY), summary.model_dump(exclude_none=True))
 
 
 class Timeline:
@@ -309,7 +305,7 @@ class Timeline:
 
     def progress(self) -> Progress:
         if not self.state.attempts:
-            return Progress(attempts=0, world_size=None, step=-1)
+            return Progress()
         attempt = self.state.attempts[-1]
         return Progress(attempts=len(self.state.attempts), world_size=attempt.world_size, step=attempt.last_step)
 
