@@ -241,6 +241,10 @@ def test_a_directory_raywright_did_not_write_is_never_overwritten(ray_session, c
     )
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith(f"config error: data.path: {mine}")
     assert (mine / "notes.txt").read_text() == "the user's own notes"
+    (mine / "manifest.json").write_text("the user's own manifest, in no format of ours")
+    with pytest.raises(ConfigError, match=f"^data.path: {mine} holds files that are not a prepared dataset"):
+        prepare(email, str(mine), seq_len=32)
+    assert sorted(p.name for p in mine.iterdir()) == ["manifest.json", "notes.txt"]
     # raywright's own dataset is replaced whole, and nothing is left beside it.
     out = tmp_path / "prepared"
     prepare(email, str(out), seq_len=32)

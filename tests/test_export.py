@@ -1,5 +1,7 @@
 """Export from a live DeepSpeed engine (one process, gloo) and reload, in raywright and in transformers."""
 
+import json
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -7,8 +9,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tests.conftest import MEMORIZED_TEXT
 from train.config import load_config
 from train.ds_config import build_engine
-from train.export import ExportProvenance, export_model, load_exported
+from train.export import PROVENANCE, ExportProvenance, export_model, load_exported, read_provenance
 from train.model import GPT
+from train.schema import ConfigError
 from train.tokenizer import ByteTokenizer, train_bpe
 
 SAMPLES = [MEMORIZED_TEXT, "def f(x):\n\treturn  x  # 日本語\n", "naïve café, 中文 and   spaces\r\n"]
@@ -65,3 +68,19 @@ def test_export_loads_in_raywright_and_transformers_with_the_same_logits_and_tok
         assert ids == tokenizer.encode(text).tolist()
         assert hf_tokenizer.decode(ids) == text
     assert hf_tokenizer.eos_token_id == hf_model.config.eos_token_id == tokenizer.eot_id
+
+
+@pytest.mark.unit
+def test_a_training_record_that_is_none_reads_as_none_and_a_damaged_one_is_named(tmp_path):
+    """A model raywright did not train has no record (or, from older exports, an empty one); a record this version
+    cannot read is an error naming the file and why, never a traceback from the JSON parser."""
+    assert read_provenance(str(tmp_path)) is None
+    record = tmp_path / PROVENANCE
+    for empty in [{"provenance": {}}, {"model": {}, "provenance": None}]:
+        record.write_text(json.dumps(empty))
+        assert read_provenance(str(tmp_path)) is None
+    stale = json.dumps({"provenance": {"data_manifest_sha256": "0"}})
+    for damaged, why in [("{cut", "not JSON: "), (stale, "provenance.step: required")]:
+        record.write_text(damaged)
+        with pytest.raises(ConfigError, match=rf"^{record} is not a training record this raywright reads \({why}"):
+            read_provenance(str(tmp_path))

@@ -45,3 +45,6 @@ def test_no_manifest_is_an_incomplete_dataset_and_a_damaged_one_an_error_naming_
         (tmp_path / "manifest.json").write_text(json.dumps(damaged))
         with pytest.raises(ConfigError, match=rf"^data.path: {tmp_path}/manifest.json is not a manifest .*\({field}:"):
             load_manifest(str(tmp_path))
+    (tmp_path / "manifest.json").write_text(json.dumps(values)[:-9])  # a copy cut short
+    with pytest.raises(ConfigError, match=r"manifest.json is not a manifest this raywright reads \(not JSON: .*again$"):
+        load_manifest(str(tmp_path))

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from train import storage
 from train.provenance import Provenance
 from train.run_layout import CHECKPOINTS
-from train.schema import ConfigError, parse
+from train.schema import ConfigError, read_record
 from train.tokenizer import BPETokenizer, TokenizerSpec, save_tokenizer
 
 if TYPE_CHECKING:  # DeepSpeed loads where an engine is in hand: finding and reading checkpoints needs none of it
@@ -98,13 +98,11 @@ def _file_sizes(uri: str) -> dict[str, int]:
 def _read_metadata(uri: str) -> Checkpoint | None:
     """The checkpoint at ``uri`` as its metadata says, complete or not; None where it has no metadata (yet).
     UnreadableMetadataError naming the field where it is not metadata this version reads."""
-    path = storage.join(uri, METADATA)
     try:
-        values = storage.read_json_if_exists(path)
-        return None if values is None else parse(Checkpoint, {**values, "uri": uri})
-    except ValueError as unreadable:  # not JSON, or a field (ConfigError)
-        message = f"{path} is not checkpoint metadata this raywright reads ({unreadable})"
-        raise UnreadableMetadataError(message) from None
+        metadata = read_record(CheckpointMetadata, storage.join(uri, METADATA), "checkpoint metadata")
+    except ConfigError as unreadable:
+        raise UnreadableMetadataError(str(unreadable)) from None
+    return None if metadata is None else Checkpoint(**dict(metadata), uri=uri)
 
 
 def _incompleteness(uri: str, metadata: Checkpoint | None) -> str | None:

@@ -379,8 +379,11 @@ def refuse_foreign(out: str) -> None:
         return
     if storage.exists(storage.join(out, PREPARING)):
         return  # a preparation of ours that did not finish
-    manifest = storage.read_json_if_exists(storage.join(out, MANIFEST))
-    if manifest is None or not {"seq_len", "tokenizer", "train"} <= set(manifest):
+    try:  # an older version's manifest is ours to prepare again; one that is not JSON says nothing of whose it is
+        manifest = storage.read_json_if_exists(storage.join(out, MANIFEST))
+    except ValueError:
+        manifest = None
+    if not isinstance(manifest, dict) or not {"seq_len", "tokenizer", "train"} <= manifest.keys():
         raise ConfigError(
             f"data.path: {out} holds files that are not a prepared dataset (no {MANIFEST}); "
             "raywright never overwrites them: give a new or empty directory (data.source is the corpus)"

@@ -9,10 +9,11 @@ version). ``load_exported`` reads any GPT-2 directory, ours or not. Nothing is u
 
 from dataclasses import dataclass
 from pathlib import PurePosixPath
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 import torch.distributed as dist
+from pydantic import BeforeValidator, ConfigDict
 from safetensors.torch import save as save_safetensors
 
 from train import storage
@@ -21,7 +22,7 @@ from train.model import GPT
 from train.model_config import ModelConfig
 from train.provenance import Provenance
 from train.run_layout import export_uri
-from train.schema import ConfigError, parse
+from train.schema import ConfigError, Section, read_record
 from train.tokenizer import EOT, BPETokenizer, load_tokenizer, save_tokenizer
 
 PROVENANCE = "raywright.json"
@@ -38,6 +39,15 @@ class ExportProvenance(Provenance):
     @property
     def run_name(self) -> str:
         return self.config["run"]["name"]
+
+
+class _ExportRecord(Section):
+    """What is read back of ``raywright.json``: its model and tokenizer are for people (``config.json`` and
+    ``tokenizer.json`` are what load)."""
+
+    model_config = ConfigDict(extra="ignore")
+    # None for a model raywright did not train; exports once wrote {} for it.
+    provenance: Annotated[ExportProvenance | None, BeforeValidator(lambda record: record or None)] = None
 
 
 @dataclass
@@ -95,15 +105,11 @@ def save_export(
 def read_provenance(uri: str) -> ExportProvenance | None:
     """What ``raywright.json`` in the model directory ``uri`` records of its training; None where there is none.
     ConfigError naming the file and field where it is not a record this version reads."""
-    path = storage.join(uri, PROVENANCE)
-    record = (storage.read_json_if_exists(path) or {}).get("provenance") or None  # {}: none, as exports wrote
     try:
-        return None if record is None else parse(ExportProvenance, record)
+        record = read_record(_ExportRecord, storage.join(uri, PROVENANCE), "a training record")
     except ConfigError as unreadable:
-        raise ConfigError(
-            f"{path} is not a training record this raywright reads ({unreadable}); "
-            "without it the model serves as any GPT-2 directory"
-        ) from None
+        raise ConfigError(f"{unreadable}; without it the model serves as any GPT-2 directory") from None
+    return record.provenance if record else None
 
 
 def final_evaluation(run_uri: str) -> dict[str, Any] | None:

@@ -8,7 +8,7 @@ import hashlib
 import json
 
 from train import storage
-from train.schema import ConfigError, Section, parse
+from train.schema import ConfigError, Section, read_record
 from train.tokenizer import TokenizerSpec
 
 MANIFEST = "manifest.json"
@@ -47,15 +47,10 @@ class Manifest(Section):
 
 def load_manifest(path: str) -> Manifest | None:
     """The manifest of the dataset at ``path``, or None if it holds no complete preparation."""
-    uri = storage.join(path, MANIFEST)
-    values = storage.read_json_if_exists(uri)
-    if values is None:
-        return None
     try:
-        return parse(Manifest, values)
-    except ConfigError as invalid:
-        message = f"data.path: {uri} is not a manifest this raywright reads ({invalid}): prepare the dataset again"
-        raise ConfigError(message) from None
+        return read_record(Manifest, storage.join(path, MANIFEST), "a manifest")
+    except ConfigError as unreadable:
+        raise ConfigError(f"data.path: {unreadable}: prepare the dataset again") from None
 
 
 def prepared_manifest(path: str) -> Manifest:

@@ -54,6 +54,16 @@ _EXPECTED = {
 }
 
 
+def _optional_of(hint: Any) -> Any:
+    """``X`` for ``X | None`` (annotated or not), where pydantic's error location goes on into ``X``."""
+    if typing.get_origin(hint) is Annotated:
+        hint = typing.get_args(hint)[0]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        members = [member for member in typing.get_args(hint) if member is not type(None)]
+        return members[0] if len(members) == 1 else hint
+    return hint
+
+
 def _field_path(cls: type[BaseModel], loc: tuple) -> tuple[str, Any]:
     """The dotted key that pydantic's error location ``loc`` names, and the type hint found there.
 
@@ -62,6 +72,7 @@ def _field_path(cls: type[BaseModel], loc: tuple) -> tuple[str, Any]:
     parts: list[str] = []
     hint: Any = cls
     for item in loc:
+        hint = _optional_of(hint)
         origin = typing.get_origin(hint)
         if isinstance(hint, type) and issubclass(hint, BaseModel) and item in hint.model_fields:
             hint = hint.model_fields[item].annotation
@@ -119,6 +130,16 @@ def parse_json(cls: type[SectionT], data: bytes) -> SectionT:
         if errors[0]["type"] == "json_invalid":
             raise ConfigError(f"not JSON: {errors[0]['ctx']['error']}") from None
         raise ConfigError(_describe(cls, errors)) from None
+
+
+def read_record(cls: type[SectionT], path: str, what: str) -> SectionT | None:
+    """``cls`` validated from the JSON file at ``path`` (local or URI); None where there is none. ConfigError
+    ``<path> is not <what> this raywright reads (<the field, or why it is not JSON>)`` otherwise."""
+    data = storage.read_if_exists(path)
+    try:
+        return None if data is None else parse_json(cls, data)
+    except ConfigError as unreadable:
+        raise ConfigError(f"{path} is not {what} this raywright reads ({unreadable})") from None
 
 
 def replace(section: SectionT, **changes: Any) -> SectionT:

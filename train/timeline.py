@@ -24,7 +24,7 @@ from pydantic import ConfigDict, Field
 
 from train import storage
 from train.run_files import try_upload
-from train.schema import ConfigError, Section, SectionT, parse_json
+from train.schema import Section, read_record
 
 TIMELINE_PREFIX = "raywright-timeline-"
 TIMELINE = "timeline.json"  # the events of the run's drivers so far, in the run's directory
@@ -161,24 +161,15 @@ def node_price_type(resources: dict[str, float], prices: dict[str, float], defau
     return next((kind for kind in prices if resources.get(kind, 0) > 0), default)
 
 
-def _read(cls: type[SectionT], run_uri: str, name: str, what: str) -> SectionT | None:
-    path = storage.join(run_uri, name)
-    data = storage.read_if_exists(path)
-    try:
-        return None if data is None else parse_json(cls, data)
-    except ConfigError as unreadable:
-        raise ConfigError(f"{path} is not {what} this raywright reads ({unreadable})") from None
-
-
 def read_saved_state(run_uri: str) -> TimelineState | None:
     """The events that the run's drivers saved; None where there are none. ConfigError naming the file and the
     field where they are not a record this version reads."""
-    return _read(TimelineState, run_uri, TIMELINE, "a run timeline")
+    return read_record(TimelineState, storage.join(run_uri, TIMELINE), "a run timeline")
 
 
 def read_summary(run_uri: str) -> ElasticSummary | None:
     """The run's summary; None where no driver wrote one. ConfigError as ``read_saved_state``."""
-    return _read(ElasticSummary, run_uri, ELASTIC_SUMMARY, "an elastic summary")
+    return read_record(ElasticSummary, storage.join(run_uri, ELASTIC_SUMMARY), "an elastic summary")
 
 
 def write_summary(run_uri: str, summary: ElasticSummary) -> None:
