@@ -1,6 +1,8 @@
 """The memory model behind ``deepspeed.zero_stage: auto`` and ``optim.micro_batch_size: auto``: its choices,
 and its estimate against real engines."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -178,7 +180,11 @@ def test_the_estimate_matches_what_deepspeed_engines_hold(ray_session):
         for precision in ("fp32", "bf16")
         for stage in (0, 1, 2, 3)
     ]
-    for cfg, held in zip(configs, measure_on_workers(configs, workers=2), strict=True):
+    ray_results = Path.home() / "ray_results"  # Ray Train's default storage: the measuring run leaves nothing there
+    before = set(ray_results.iterdir()) if ray_results.exists() else set()
+    measured = measure_on_workers(configs, workers=2)
+    assert (set(ray_results.iterdir()) if ray_results.exists() else set()) == before
+    for cfg, held in zip(configs, measured, strict=True):
         stage = cfg.deepspeed.zero_stage
         # Stages 1-2 hold their gradient bucket through each backward pass (the peak the estimate is for) and free
         # it before the moment measured.

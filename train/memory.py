@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 import torch.distributed as dist
-from ray.train import ScalingConfig
+from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
@@ -228,6 +228,7 @@ def measure_on_workers(configs: list[TrainConfig], workers: int) -> list[int]:
             train_loop_config={"configs": [cfg.to_dict() for cfg in configs], "out": out},
             scaling_config=ScalingConfig(num_workers=workers),
             torch_config=TorchConfig(backend="gloo"),
+            run_config=RunConfig(name="measure", storage_path=scratch),  # not a run of its own in ~/ray_results
         ).fit()
         with open(out) as f:
             return json.load(f)
