@@ -11,6 +11,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -226,24 +227,38 @@ def test_cli_rejects_a_bad_config_before_starting_ray(memorized_export, capsys):
     assert "max_batch_size" in capsys.readouterr().err
 
 
+@pytest.fixture
+def own_ray_env() -> Iterator[dict[str, str]]:
+    """The environment of a ``python -m serve`` that starts a Ray of its own, in a temp dir removed afterwards
+    (short: Ray's socket paths must stay under 108 bytes)."""
+    temp_dir = tempfile.mkdtemp(prefix="/tmp/rws-")
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    yield {**env, "RAY_TMPDIR": temp_dir}
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
 @pytest.mark.parametrize(
     ("ingress", "stopped_by"), [("proxy", "process"), ("haproxy", "process"), ("haproxy", "group")]
 )
-def test_python_m_serve_serves_the_openai_client(memorized_export, ingress, stopped_by):
+def test_python_m_serve_serves_the_openai_client(memorized_export, own_ray_env, ingress, stopped_by):
     """Behind Serve's proxy, and behind Ray's HAProxy, which then holds the port itself. Then a SIGTERM stops it
     promptly and leaves nothing listening on the port: sent to the process (``kill``, ``docker stop``), or to its
     whole process group, Ray's processes included (``kill -- -PGID``), behind HAProxy. Before, Serve's graceful
     shutdown waited out its 30 s timeout for either behind HAProxy (its replica stayed up 30 s for load balancers
     to deregister it), and the group's signal left HAProxy running, holding the port."""
     port = free_port()
-    env = {**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="/tmp/rws-")}
     # HAProxy's stats and metrics ports are fixed unless set: free ones, so that nothing else on this machine matters.
-    env.update(RAY_SERVE_HAPROXY_STATS_PORT=str(free_port()), RAY_SERVE_HAPROXY_METRICS_PORT=str(free_port()))
-    env.pop("RAY_ADDRESS", None)
+    own_ray_env.update(RAY_SERVE_HAPROXY_STATS_PORT=str(free_port()), RAY_SERVE_HAPROXY_METRICS_PORT=str(free_port()))
     command = [sys.executable, "-m", "serve", "--checkpoint", memorized_export, "--port", str(port)]
     command += ["--ingress", ingress]
     process = subprocess.Popen(
-        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        command,
+        cwd=REPO,
+        env=own_ray_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     try:
         deadline = time.time() + 180
@@ -277,14 +292,14 @@ def test_python_m_serve_serves_the_openai_client(memorized_export, ingress, stop
     check_can_listen("127.0.0.1", port, "--port")
 
 
-def test_python_m_serve_stopped_while_its_app_deploys_shuts_down_cleanly(memorized_export):
+def test_python_m_serve_stopped_while_its_app_deploys_shuts_down_cleanly(memorized_export, own_ray_env):
     """A SIGTERM (a container stopped, a rollout) before the server says it serves stops it as one sent later
     does. Before, one sent while serve.run waited for the app met Ray's own handler: a stack dump, exit 15."""
     port = free_port()
-    env = {**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="/tmp/rws-")}
-    env.pop("RAY_ADDRESS", None)
     command = [sys.executable, "-m", "serve", "--checkpoint", memorized_export, "--port", str(port)]
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        command, cwd=REPO, env=own_ray_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     timer = threading.Timer(180, process.kill)  # the line below never printed: fail, not hang
     timer.start()
     printed = []
