@@ -89,12 +89,13 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight_t", torch.round(weight / scale[:, None]).to(torch.int8).t().contiguous())
         self.register_buffer("weight_scale", scale)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
+        self.matmul = int8_matmul_kernel()  # chosen (timed, the first time) as the model loads, not per call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         row_scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
         quantized = torch.round(rows / row_scale).to(torch.int8)
-        out = int8_matmul_kernel()(quantized, self.weight_t) * row_scale * self.weight_scale
+        out = self.matmul(quantized, self.weight_t) * row_scale * self.weight_scale
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], out.shape[-1])
@@ -137,7 +138,6 @@ def apply_precision(module: nn.Module, precision: str, device: torch.device) -> 
         module.to(torch.bfloat16)
     elif precision == "int8" and device.type == "cpu":
         _swap_linears(module)
-        int8_matmul_kernel()  # timed as the model loads, not in its first request
     elif precision in ("int8", "fp8"):
         module.to(torch.bfloat16)
         _torchao_quantize(module, precision)

@@ -120,25 +120,20 @@ def parse(cls: type[SectionT], values: dict[str, Any]) -> SectionT:
         raise ConfigError(_describe(cls, exc.errors())) from None
 
 
-def parse_json(cls: type[SectionT], data: bytes) -> SectionT:
-    """``cls`` validated from the JSON document ``data`` (its object keys may stand for numbers); ConfigError
-    with one line naming the key, or saying it is not JSON, otherwise."""
+def read_record(cls: type[SectionT], path: str, what: str) -> SectionT | None:
+    """``cls`` validated from the JSON file at ``path`` (local or URI; its object keys may stand for numbers); None
+    where there is none. ConfigError ``<path> is not <what> this raywright reads (<the field, or why it is not
+    JSON>)`` otherwise."""
+    data = storage.read_if_exists(path)
+    if data is None:
+        return None
     try:
         return cls.model_validate_json(data)
     except ValidationError as exc:
         errors = exc.errors()
-        if errors[0]["type"] == "json_invalid":
-            raise ConfigError(f"not JSON: {errors[0]['ctx']['error']}") from None
-        raise ConfigError(_describe(cls, errors)) from None
-
-
-def read_record(cls: type[SectionT], path: str, what: str) -> SectionT | None:
-    """``cls`` validated from the JSON file at ``path`` (local or URI); None where there is none. ConfigError
-    ``<path> is not <what> this raywright reads (<the field, or why it is not JSON>)`` otherwise."""
-    data = storage.read_if_exists(path)
-    try:
-        return None if data is None else parse_json(cls, data)
-    except ConfigError as unreadable:
+        unreadable = (
+            f"not JSON: {errors[0]['ctx']['error']}" if errors[0]["type"] == "json_invalid" else _describe(cls, errors)
+        )
         raise ConfigError(f"{path} is not {what} this raywright reads ({unreadable})") from None
 
 
