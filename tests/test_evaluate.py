@@ -1,4 +1,7 @@
-"""Validation loss is the mean over every validation row, at any world size, however few the rows."""
+"""Validation loss is the mean over every validation row, at any world size, however few the rows; the record
+of an evaluation."""
+
+import math
 
 import numpy as np
 import pytest
@@ -7,6 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.conftest import on_ranks
+from train.evaluation import Evaluation
 from train.loop import evaluate
 from train.model import GPT
 from train.model_config import ModelConfig
@@ -52,3 +56,15 @@ def test_the_validation_loss_is_every_rows_mean_at_any_world_size(process_group)
         for world, by_count in losses.items():
             assert by_count[count] == [by_count[count][0]] * world  # every rank has the same answer
             assert by_count[count][0] == pytest.approx(every_row, rel=1e-6), f"{count} rows, {world} workers"
+
+
+def test_an_evaluation_tells_perplexity_and_bits_per_byte():
+    # 2 bits per token at 0.5 tokens per byte is 1 bit per byte.
+    evaluation = Evaluation.of_loss(step=7, val_loss=math.log(4), tokens_per_byte=0.5)
+    assert evaluation.val_perplexity == pytest.approx(4) and evaluation.val_bpb == pytest.approx(1)
+
+
+def test_a_report_holds_an_evaluation_only_where_its_step_evaluated():
+    evaluation = Evaluation.of_loss(step=10, val_loss=2.5, tokens_per_byte=0.3)
+    assert Evaluation.in_report({**evaluation.model_dump(), "loss": 2.4, "lr": 1e-3}) == evaluation
+    assert Evaluation.in_report({"step": 11, "loss": 2.4, "lr": 1e-3, "time": 1.0}) is None

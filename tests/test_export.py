@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tests.conftest import MEMORIZED_TEXT
 from train.config import load_config
 from train.ds_config import build_engine
+from train.evaluation import Evaluation
 from train.export import PROVENANCE, ExportProvenance, export_model, load_exported, read_provenance
 from train.model import GPT
 from train.schema import ConfigError
@@ -40,7 +41,8 @@ def test_export_loads_in_raywright_and_transformers_with_the_same_logits_and_tok
     with torch.no_grad():
         expected = engine(tokens[:, :-1])
 
-    provenance = ExportProvenance(data_manifest_sha256="0" * 64, step=2, config=cfg.to_dict(), evaluation={"step": 2})
+    evaluation = Evaluation.of_loss(step=2, val_loss=loss.item(), tokens_per_byte=0.5)
+    provenance = ExportProvenance(data_manifest_sha256="0" * 64, step=2, config=cfg.to_dict(), evaluation=evaluation)
     export_model(engine, cfg.model, tokenizer, str(tmp_path), provenance)
     assert {p.name for p in tmp_path.iterdir()} == {
         "config.json",

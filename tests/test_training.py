@@ -71,8 +71,8 @@ def test_zero_stages_1_2_3_learn_the_same_thing(tiny_config):
     provenance = export.provenance
     assert provenance.step == 20 and provenance.data_manifest_sha256
     assert provenance.config["deepspeed"]["zero_stage"] == 3
-    assert provenance.evaluation["step"] == 20  # the final evaluation, as reported
-    assert provenance.evaluation["val_loss"] == pytest.approx(summary.final_val_loss)
+    assert provenance.evaluation.step == 20  # the final evaluation, as reported
+    assert provenance.evaluation.val_loss == pytest.approx(summary.final_val_loss)
 
     # The autos pick stage 0 and the largest micro-batch (8 of 16 sequences at 2 workers) for the tiny model on
     # a CPU node; compiled too, that run learns the same thing (compiled kernels round differently: close, not equal).

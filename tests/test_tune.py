@@ -176,9 +176,9 @@ def test_notebook_sweep_stops_trials_early_runs_them_concurrently_and_its_best_r
     for trial in trials.to_dict("records"):
         run = str(sweep / "trials" / trial["trial_id"])
         ended = ended_evaluation(run)
-        assert ended["step"] == trial["steps"] and ended["val_loss"] == pytest.approx(trial["val_loss"])
+        assert ended.step == trial["steps"] and ended.val_loss == pytest.approx(trial["val_loss"])
         if trial["stopped_early"]:
-            assert ended == json.loads((Path(run) / ENDED).read_text())  # it has no export to tell it
+            assert ended.model_dump() == json.loads((Path(run) / ENDED).read_text())  # it has no export to tell it
     # A trial that ASHA let reach its last step finished it: its export is there beside the sweep's results.
     for trial_id in trials[~trials["stopped_early"]]["trial_id"]:
         assert (sweep / "trials" / trial_id / "export" / "model.safetensors").exists()
@@ -340,6 +340,16 @@ def test_a_trial_that_diverges_ends_at_once_as_the_worst_result(ray_session, tin
     (trial,) = result.trials.to_dict("records")
     assert trial["val_loss"] == float("inf") and not trial["error"]  # not retried either: it would diverge again
     assert trial["steps"] == 10  # its first loss report after step 1, not the 40 steps of the recipe
+    # What a sweep resumed before Tune saved its end would report of it again, rather than train it again.
+    ended = ended_evaluation(str(tmp_path / "sweeps" / "diverges" / "trials" / trial["trial_id"]))
+    assert ended.step == 10 and ended.val_loss == float("inf")
+
+
+@pytest.mark.unit
+def test_an_ended_trials_record_cut_short_is_an_error_naming_it(tmp_path):
+    (tmp_path / ENDED).write_text('{"step": 40, "val_lo')
+    with pytest.raises(ConfigError, match=rf"{tmp_path}/{ENDED} is not an ended trial's record .*\(not JSON"):
+        ended_evaluation(str(tmp_path))
 
 
 @pytest.mark.cluster

@@ -17,6 +17,7 @@ from pydantic import BeforeValidator, ConfigDict
 from safetensors.torch import save as save_safetensors
 
 from train import storage
+from train.evaluation import Evaluation
 from train.hf_gpt2 import CONFIG, WEIGHTS, hf_config, load_weights, read_model_config, to_hf_state
 from train.model import GPT
 from train.model_config import ModelConfig
@@ -33,7 +34,7 @@ class ExportProvenance(Provenance):
 
     step: int
     config: dict[str, Any]  # the run's resolved TrainConfig (``to_dict``), in the schema of its day
-    evaluation: dict[str, int | float] | None = None  # the step's, where the run's end exported it
+    evaluation: Evaluation | None = None  # the step's, where the run's end exported it
     checkpoint: str | None = None  # the checkpoint exported, where ``python -m train.export_checkpoint`` did
 
     @property
@@ -112,7 +113,7 @@ def read_provenance(uri: str) -> ExportProvenance | None:
     return record.provenance if record else None
 
 
-def final_evaluation(run_uri: str) -> dict[str, Any] | None:
+def final_evaluation(run_uri: str) -> Evaluation | None:
     """The last step's evaluation of a run that finished (its export is complete: ``config.json`` is written
     last); None for a run that has not, or whose export predates the record."""
     uri = export_uri(run_uri)

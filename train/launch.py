@@ -322,7 +322,7 @@ def _already_trained(cfg: TrainConfig) -> RunSummary | None:
     if latest is None or latest.step < cfg.optim.max_steps:
         return None
     evaluation = final_evaluation(run)
-    if evaluation is None or evaluation["step"] != latest.step:
+    if evaluation is None or evaluation.step != latest.step:
         return None
     elastic = read_summary(run)
     if elastic is None:  # its driver stopped before it wrote the record: made again from the events it saved

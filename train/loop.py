@@ -26,6 +26,7 @@ from train.config import TrainConfig
 from train.decisions import Notice, Rank0View, StepPolicy, share_rank0_view
 from train.ds_config import build_engine, compiles
 from train.early_checkpoint import latest_checkpoint_request, latest_restart_request, record_waiting_for_restart
+from train.evaluation import Evaluation
 from train.export import ExportProvenance, export_model
 from train.hf_gpt2 import load_weights
 from train.loader import SampleOrder, micro_batch_samples
@@ -89,15 +90,6 @@ def evaluate(engine, val_rows: np.ndarray, micro_batch: int) -> float:
             total += loss.detach().double() * len(rows)
     engine.train()
     return _mean_over_ranks(total, len(mine), engine.device)
-
-
-def _val_metrics(val_loss: float, tokens_per_byte: float) -> dict[str, float]:
-    """Validation loss (nats per token), perplexity, and bits per byte, which compares across tokenizers."""
-    return {
-        "val_loss": val_loss,
-        "val_perplexity": float(np.exp(val_loss)),
-        "val_bpb": val_loss * tokens_per_byte / math.log(2),
-    }
 
 
 def _log_samples(
@@ -193,7 +185,7 @@ class Trainer:
         self.val_rows = load_split(args.data_path, "val")[: cfg.run.eval_samples]
         self.order = SampleOrder(len(self.train_rows), cfg.run.seed)
         self.startup.data_s = time.time() - mark
-        self.evaluation: dict[str, float] | None = None  # the latest; the export records the last step's
+        self.evaluation: Evaluation | None = None  # the latest; the export records the last step's
         latest = self._restore()  # sets self.engine, self.grad_accum and self.step
 
         self.policy = StepPolicy(cfg)
@@ -304,7 +296,7 @@ class Trainer:
         finally:
             if self.sample_log:
                 self.sample_log.close()
-        if self.evaluation is None or self.evaluation["step"] != self.step:  # resumed from the last step's checkpoint
+        if self.evaluation is None or self.evaluation.step != self.step:  # resumed from the last step's checkpoint
             self._evaluate()
         # The final evaluation, with the export: a sweep trial resumed after it finished reports it, not trains again.
         provenance = ExportProvenance(
@@ -541,9 +533,8 @@ class Trainer:
         val_loss = evaluate(self.engine, self.val_rows, self.cfg.optim.micro_batch_size)
         if not math.isfinite(val_loss):
             raise self._diverged(f"the validation loss after step {self.step} is {val_loss}")
-        metrics = {"step": self.step, **_val_metrics(val_loss, self.args.tokens_per_byte)}
-        self.evaluation = {**metrics, "time": time.time()}
-        return metrics
+        self.evaluation = Evaluation.of_loss(self.step, val_loss, self.args.tokens_per_byte)
+        return self.evaluation.model_dump()
 
     def _report(self, metrics: dict[str, Any]) -> None:
         """Print a progress line from rank 0 and report (every rank reports, in step)."""

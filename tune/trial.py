@@ -21,11 +21,13 @@ from ray.train import PreemptionInfo
 from ray.tune.integration.ray_train import TuneReportCallback
 
 from train import storage
+from train.evaluation import Evaluation
 from train.export import final_evaluation
 from train.launch import build_trainer, loop_args, run_uri
 from train.loop import train_loop
 from train.manifest import Manifest
 from train.process_group import one_process_group
+from train.schema import read_record
 from tune.config import SweepConfig, override
 
 logger = logging.getLogger(__name__)
@@ -61,26 +63,29 @@ ENDED = "ended.json"
 def record_ended(run: str, last_result: dict) -> None:
     """Note in a trial's run directory ``run`` that it ended for good (finished, or stopped by ASHA) with
     ``last_result``."""
-    if "val_loss" in last_result:
-        storage.write_json(storage.join(run, ENDED), {key: last_result[key] for key in ("step", "val_loss", "time")})
+    evaluation = Evaluation.in_report(last_result)
+    if evaluation:
+        storage.write_json(storage.join(run, ENDED), evaluation.model_dump())
 
 
-def ended_evaluation(run: str) -> dict | None:
+def ended_evaluation(run: str) -> Evaluation | None:
     """The evaluation that the trial of run directory ``run`` ended with, or None if it has not ended."""
-    return final_evaluation(run) or storage.read_json_if_exists(storage.join(run, ENDED))
+    return final_evaluation(run) or read_record(Evaluation, storage.join(run, ENDED), "an ended trial's record")
 
 
-def _evaluation(metrics: dict, start: float, node_id: str) -> dict | None:
-    """What Tune sees of a training report: evaluations only, as ASHA compares trials on the
-    validation loss at equal steps; with when the trial started and the node it runs on. A trial whose
-    training diverged ends as the worst result (reported as NaN, ASHA would never stop it, as NaN < cutoff
-    is false, and Optuna would drop it as failed, learning nothing from it)."""
-    if "diverged" in metrics:
-        metrics = {**metrics, "val_loss": math.inf}
-    if "val_loss" not in metrics:
-        return None
-    keep = {key: metrics[key] for key in ("step", "val_loss", "time")}
-    return {**keep, "trial_start": start, "node_id": node_id}
+def _trial_evaluation(report: dict) -> Evaluation | None:
+    """What Tune sees of a training report: its evaluation only, as ASHA compares trials on the validation loss
+    at equal steps. A trial whose training diverged ends as the worst result (reported as NaN, ASHA would never
+    stop it, as NaN < cutoff is false, and Optuna would drop it as failed, learning nothing from it)."""
+    if "diverged" in report:
+        worst = math.inf
+        return Evaluation(step=report["step"], val_loss=worst, val_perplexity=worst, val_bpb=worst, time=report["time"])
+    return Evaluation.in_report(report)
+
+
+def _to_tune(evaluation: Evaluation, start: float, node_id: str) -> dict:
+    """An evaluation as the trial reports it to Tune: with when the trial started and the node it runs on."""
+    return {**evaluation.model_dump(), "trial_start": start, "node_id": node_id}
 
 
 class _EvaluationsToTune(TuneReportCallback):
@@ -91,9 +96,9 @@ class _EvaluationsToTune(TuneReportCallback):
         self.start, self.node_id = start, node_id
 
     def after_report(self, run_context, metrics: list[dict], checkpoint) -> None:
-        evaluation = _evaluation(metrics[0], self.start, self.node_id)
-        if evaluation:
-            super().after_report(run_context, [evaluation], None)  # checkpoints are raywright's own
+        evaluation = _trial_evaluation(metrics[0])
+        if evaluation:  # checkpoints are raywright's own
+            super().after_report(run_context, [_to_tune(evaluation, self.start, self.node_id)], None)
 
 
 def this_nodes_preemption() -> PreemptionInfo | None:
@@ -121,16 +126,16 @@ def run_trial(params: dict[str, Any], sweep: SweepConfig, data_path: str, manife
         # It ended after Tune last saved the sweep's state (every ~10 s) and the sweep was interrupted before
         # the next save. Resumed as unfinished, it reports the evaluation it ended with rather than train again
         # from scratch (its checkpoints went when it ended), steps the sweep's step budget would count only in part.
-        tune.report(_evaluation(ended, start, node_id))
+        tune.report(_to_tune(ended, start, node_id))
         return
     if sweep.on_ray_train:
         build_trainer(cfg, data_path, manifest, callbacks=[_EvaluationsToTune(start, node_id)]).fit()
         return
 
     def report(metrics: dict) -> None:
-        evaluation = _evaluation(metrics, start, node_id)
+        evaluation = _trial_evaluation(metrics)
         if evaluation:
-            tune.report(evaluation)
+            tune.report(_to_tune(evaluation, start, node_id))
 
     with one_process_group(cfg.scaling.use_gpu):
         train_loop(loop_args(cfg, data_path, manifest).to_dict(), report=report, preemption_info=this_nodes_preemption)
