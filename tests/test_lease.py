@@ -14,6 +14,7 @@ from ray._common.test_utils import wait_for_condition
 from train import storage
 from train.launch import stop_gracefully_on_sigterm
 from train.lease import LEASE, Lease, RunOwnedError
+from train.schema import ConfigError
 
 pytestmark = pytest.mark.unit
 
@@ -58,6 +59,18 @@ def test_a_killed_driver_of_this_host_is_taken_over_at_once(run_uri):
     lease = Lease(run_uri, stale_after_s=300)
     lease.acquire()
     assert json.loads(storage.read_bytes(storage.join(run_uri, LEASE)))["token"] == lease.token
+
+
+def test_a_lease_that_is_not_one_is_named_and_left_as_it_is(run_uri):
+    """A lease.json no driver can read: none can tell whether a driver holds it, so none takes it over."""
+    lease_uri = storage.join(run_uri, LEASE)
+    for unreadable, why in [(b'{"host": "a", "pi', "not JSON: "), (b'{"host": "a"}', "pid: required")]:
+        storage.write_bytes(lease_uri, unreadable)
+        with pytest.raises(ConfigError) as refused:
+            Lease(run_uri, stale_after_s=300).acquire()
+        assert str(refused.value).startswith(f"{lease_uri} is not a lease this raywright reads ({why}")
+        assert str(refused.value).endswith("if no driver is training this run, delete it")
+        assert storage.read_bytes(lease_uri) == unreadable
 
 
 @pytest.mark.parametrize("on_ctrl_c", [signal.default_int_handler, signal.SIG_IGN], ids=["handled", "ignored"])

@@ -18,9 +18,9 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass
 
 from train import storage
+from train.schema import ConfigError, Section, read_record
 
 LEASE = "lease.json"
 
@@ -29,8 +29,9 @@ class RunOwnedError(RuntimeError):
     """Another live driver holds the run's lease."""
 
 
-@dataclass(frozen=True)
-class Owner:
+class Owner(Section):
+    """The driver that holds a lease, as ``lease.json`` records it."""
+
     host: str
     pid: int
     token: str  # unique per driver: what tells a lease of ours from a lease taken over
@@ -71,11 +72,14 @@ class Lease:
         self._heartbeat: threading.Thread | None = None
 
     def _me(self) -> Owner:
-        return Owner(socket.gethostname(), os.getpid(), self.token, time.time())
+        return Owner(host=socket.gethostname(), pid=os.getpid(), token=self.token, heartbeat=time.time())
 
     def holder(self) -> Owner | None:
-        held = storage.read_json_if_exists(self.uri)
-        return None if held is None else Owner(**held)
+        """The lease's owner; None where there is no lease. ConfigError naming the file where it is not a lease."""
+        try:
+            return read_record(Owner, self.uri, "a lease")
+        except ConfigError as unreadable:  # no driver can tell whether it is held: none takes it over
+            raise ConfigError(f"{unreadable}; if no driver is training this run, delete it") from None
 
     def acquire(self) -> None:
         """Take the lease, or raise RunOwnedError naming the live owner."""
@@ -85,7 +89,7 @@ class Lease:
             raise RunOwnedError(self._owned_message(holder, now))
         if holder is not None and holder.token != self.token:
             print(f"taking over the run from a driver that is gone ({holder.describe(now)})", file=sys.stderr)
-        storage.write_json(self.uri, asdict(self._me()))
+        storage.write_json(self.uri, self._me().model_dump())
         holder = self.holder()
         if holder is None or holder.token != self.token:  # another driver wrote in between: it wins
             raise RunOwnedError(self._owned_message(holder, now) if holder else f"{self.uri} vanished")
@@ -102,9 +106,9 @@ class Lease:
             try:
                 holder = self.holder()
                 if holder is not None and holder.token == self.token:
-                    storage.write_json(self.uri, asdict(self._me()))
+                    storage.write_json(self.uri, self._me().model_dump())
                     continue
-            except OSError as exc:
+            except (OSError, ConfigError) as exc:  # unreadable, none can take it over: it stays this driver's
                 print(f"warning: could not renew the lease {self.uri} (retried next beat): {exc}", file=sys.stderr)
                 continue
             taker = holder.describe(time.time()) if holder else "none: the lease file was deleted"
@@ -125,7 +129,7 @@ class Lease:
             holder = self.holder()
             if holder is not None and holder.token == self.token:
                 storage.delete_file(self.uri)
-        except OSError as exc:
+        except (OSError, ConfigError) as exc:
             print(f"warning: could not release the lease {self.uri}: {exc}", file=sys.stderr)
 
     def __enter__(self) -> "Lease":
