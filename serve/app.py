@@ -38,7 +38,7 @@ from serve.engine_process import EngineProcess, EngineSpec
 from serve.sampling import TokenLogprob
 from train import storage
 from train.export import export_name, read_provenance
-from train.hf_gpt2 import read_model_config
+from train.hf_gpt2 import read_json_object, read_model_config
 from train.run_layout import resolve_export
 from train.tokenizer import EOT, load_tokenizer
 
@@ -120,7 +120,8 @@ async def require_api_key(request: Request) -> None:
 
 def chat_template(location: str) -> str | None:
     """The chat template a model directory's tokenizer_config.json declares, if any."""
-    template = (storage.read_json_if_exists(storage.join(location, "tokenizer_config.json")) or {}).get("chat_template")
+    uri = storage.join(location, "tokenizer_config.json")
+    template = read_json_object(uri).get("chat_template") if storage.exists(uri) else None
     return template if isinstance(template, str) else None
 
 

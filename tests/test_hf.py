@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
+from serve.app import chat_template
 from serve.decoder import Decoder
 from serve.engine import Engine, GenerationParams, Sequence
 from tests.conftest import MEMORIZED_TEXT
@@ -21,7 +22,7 @@ from train.config import load_config
 from train.data import dataset_path
 from train.ds_config import build_engine
 from train.export import load_exported
-from train.hf_gpt2 import from_hf_state, hf_config, load_weights, model_config_from_hf, to_hf_state
+from train.hf_gpt2 import from_hf_state, hf_config, load_weights, model_config_from_hf, read_model_config, to_hf_state
 from train.launch import run_training
 from train.model import GPT
 from train.model_config import ModelConfig
@@ -101,6 +102,31 @@ def test_names_and_config_round_trip_and_what_gpt2_cannot_be_is_one_clear_line()
     assert "not tied" in error(tie_word_embeddings=False)
     with pytest.raises(ValueError, match="x: transformer.h.0.mlp.c_fc.weight has shape"):
         from_hf_state({**hf, "transformer.h.0.mlp.c_fc.weight": torch.zeros(3, 3)}, state, "x")
+
+
+@pytest.mark.unit
+def test_a_checkpoint_sharded_into_several_files_loads_as_the_whole_one(hf_gpt2, tmp_path):
+    sharded = tmp_path / "sharded"
+    _hf_model(hf_gpt2).save_pretrained(sharded, max_shard_size="200KB")  # ~0.6 MB of weights
+    assert not (sharded / "model.safetensors").exists() and len(list(sharded.glob("model-*.safetensors"))) > 1
+    whole, parts = GPT(read_model_config(hf_gpt2)), GPT(read_model_config(str(sharded)))
+    load_weights(whole, hf_gpt2)
+    load_weights(parts, str(sharded))
+    assert all(torch.equal(tensor, whole.state_dict()[name]) for name, tensor in parts.state_dict().items())
+    # An index that does not say which file holds which tensor is one line naming it.
+    index = sharded / "model.safetensors.index.json"
+    for damaged, why in [("{cut", "not valid JSON"), ('{"metadata": {}}', "no weight_map")]:
+        index.write_text(damaged)
+        with pytest.raises(ConfigError, match=f"^model.init_from: {index}: {why}"):
+            load_config("tiny", [f"model.init_from={sharded}"])
+
+
+@pytest.mark.unit
+def test_a_tokenizer_config_that_is_not_json_is_one_line_naming_it(tmp_path):
+    assert chat_template(str(tmp_path)) is None  # a model directory without one has no chat template
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{{ mess')
+    with pytest.raises(ValueError, match=f"^{tmp_path}/tokenizer_config.json: not valid JSON"):
+        chat_template(str(tmp_path))
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int8"])

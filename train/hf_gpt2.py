@@ -147,19 +147,30 @@ def read_model_config(location: str) -> ModelConfig:
     uri = storage.join(location, CONFIG)
     if not storage.exists(uri):
         raise FileNotFoundError(f"{location}: no {CONFIG}; not a Hugging Face model directory")
+    return model_config_from_hf(read_json_object(uri), uri)
+
+
+def read_json_object(uri: str) -> dict[str, Any]:
+    """The JSON object in the file ``uri`` (a model directory's config); ValueError naming the file otherwise."""
     try:
-        hf = json.loads(storage.read_bytes(uri))
+        value = json.loads(storage.read_bytes(uri))
     except json.JSONDecodeError as exc:
         raise ValueError(f"{uri}: not valid JSON ({exc})") from None
-    return model_config_from_hf(hf, uri)
+    if not isinstance(value, dict):
+        raise ValueError(f"{uri}: not a JSON object")
+    return value
 
 
 def weight_files(location: str) -> list[str]:
     """The safetensors files of the directory ``location``: one, or the shards its index lists."""
     if storage.exists(storage.join(location, WEIGHTS)):
         return [WEIGHTS]
-    if storage.exists(storage.join(location, WEIGHTS_INDEX)):
-        return sorted(set(storage.read_json(storage.join(location, WEIGHTS_INDEX))["weight_map"].values()))
+    index = storage.join(location, WEIGHTS_INDEX)
+    if storage.exists(index):
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index}: no weight_map (tensor name -> the safetensors file that holds it)")
+        return sorted(set(weight_map.values()))
     # Pickled weights (pytorch_model.bin) could run code when loaded: never read them.
     raise FileNotFoundError(
         f"{location}: no {WEIGHTS}; raywright reads safetensors only "
