@@ -54,6 +54,16 @@ def test_a_local_log_is_appended_in_place(tmp_path):
     assert steps(uri) == [1, 2]
 
 
+def test_a_record_cut_short_by_a_killed_writer_loses_no_other_record(tmp_path, caplog):
+    uri = str(tmp_path / "run" / "metrics.jsonl")
+    JsonlLog(uri).append({"step": 1})
+    with open(uri, "a") as f:
+        f.write('{"step": 2, "lo')  # the writer was killed while it appended step 2
+    JsonlLog(uri).append({"step": 3})  # the run's next writer
+    assert steps(uri) == [1, 3]
+    assert "dropped a record cut short" in caplog.text
+
+
 def test_a_log_whose_storage_is_down_keeps_every_record_until_an_upload_succeeds(s3_server, s3_bucket, caplog):
     uri = f"{s3_bucket}/run-files-{time.time_ns()}/samples.jsonl"
     log = JsonlLog(uri)

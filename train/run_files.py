@@ -57,6 +57,8 @@ class JsonlLog:
             self._kept = os.path.getsize(self.path)  # bytes at the start of the copy
             self._unflushed = self._kept > 0
             self._continue_stored()
+        else:
+            _end_a_cut_line(self.path)
 
     def _continue_stored(self) -> bool:
         """Merge what ``uri`` holds with the records of this node's copy. While storage cannot be read, this is
@@ -105,17 +107,32 @@ class JsonlLog:
             logger.warning("%s keeps the records %s lacks", self.path, self.uri)
 
 
-def _records(jsonl: bytes) -> list[Record]:
-    """Each line with its record's time (a log written before records were stamped has none: the oldest). A line
-    that is not JSON, the last append of a writer killed while it wrote, is dropped (logged): it must not end
-    the run of the writer that merges the copy."""
-    records = []
+def _parsed_lines(jsonl: bytes) -> list[tuple[dict[str, Any], bytes]]:
+    """Each line's record, with the line. A line that is not JSON, the last append of a writer killed while it
+    wrote, is dropped (logged): it must not end the run that reads the log or merges a copy of it."""
+    parsed = []
     for line in jsonl.splitlines():
         try:
-            records.append((json.loads(line).get("time", 0.0), line))
+            parsed.append((json.loads(line), line))
         except ValueError:
             logger.warning("dropped a record cut short: %r", line[:200])
-    return records
+    return parsed
+
+
+def _records(jsonl: bytes) -> list[Record]:
+    """Each line with its record's time (a log written before records were stamped has none: the oldest)."""
+    return [(record.get("time", 0.0), line) for record, line in _parsed_lines(jsonl)]
+
+
+def _end_a_cut_line(path: str) -> None:
+    """End the last line of the local log ``path`` where a writer killed while it appended left it without its
+    newline: the next record then starts a line of its own, and only the cut one is dropped when it is read."""
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+        return
+    with open(path, "rb+") as f:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) != b"\n":
+            f.write(b"\n")
 
 
 def _of_the_run(kept: list[Record], stored: list[Record]) -> list[Record]:
@@ -142,8 +159,8 @@ def try_upload(upload: Callable[[], None], uri: str, local: str) -> bool:
 
 
 def read_jsonl(uri: str) -> list[dict[str, Any]]:
-    data = storage.read_if_exists(uri) or b""
-    return [json.loads(line) for line in data.decode().splitlines()]
+    """The records of the log ``uri`` (none where there is no file), but for a line cut short."""
+    return [record for record, _ in _parsed_lines(storage.read_if_exists(uri) or b"")]
 
 
 def local_dir_for(uri: str) -> str:
