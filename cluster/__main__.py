@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
 
             if args.command == "up":
                 state = local.up()
-                print(f"local twin up: Ray at {state['address']}, job API at {state['dashboard']}")
-                print(f"export RAY_ADDRESS={state['dashboard']}")
+                print(f"local twin up: Ray at {state.address}, job API at {state.dashboard}")
+                print(f"export RAY_ADDRESS={state.dashboard}")
             else:
                 print(f"local twin down ({local.down()} processes stopped)")
             return 0

@@ -7,7 +7,6 @@ removes its temp dir.
 The twin's state (its config, ports, temp dir) lives in ``~/.raywright/local-cluster/``.
 """
 
-import json
 import os
 import shutil
 import signal
@@ -17,18 +16,39 @@ from pathlib import Path
 
 import psutil
 import yaml
+from pydantic import field_validator
+
+from train.schema import Section, read_record
 
 TWIN_CONFIG = Path(__file__).with_name("local.yaml")
 STATE_DIR = Path.home() / ".raywright" / "local-cluster"
 
 
-def read_state(state_dir: Path = STATE_DIR) -> dict | None:
-    path = state_dir / "state.json"
-    return json.loads(path.read_text()) if path.exists() else None
+TEMP_DIR_PREFIX = "rwtwin-"
 
 
-def up(state_dir: Path = STATE_DIR) -> dict:
-    """Start the twin; its state: ``address`` (GCS), ``dashboard`` (job API URL), ``temp_dir``."""
+class TwinState(Section):
+    """What ``up`` records of the twin it started (``state.json``), for ``down`` and the job commands."""
+
+    address: str  # the GCS's, host:port
+    dashboard: str  # the job API's URL
+    temp_dir: str  # Ray's, made by ``up`` for this twin only: ``down`` deletes it
+
+    @field_validator("temp_dir")
+    @classmethod
+    def _made_by_up(cls, path: str) -> str:
+        if not os.path.basename(path).startswith(TEMP_DIR_PREFIX):
+            raise ValueError(f"not a directory `up` made ({TEMP_DIR_PREFIX}*), the only ones `down` deletes")
+        return path
+
+
+def read_state(state_dir: Path = STATE_DIR) -> TwinState | None:
+    """The state of the twin that is up; None where none is. ConfigError naming the file where it is not one."""
+    return read_record(TwinState, str(state_dir / "state.json"), "a local twin's state")
+
+
+def up(state_dir: Path = STATE_DIR) -> TwinState:
+    """Start the twin."""
     if read_state(state_dir):
         raise RuntimeError(f"a local twin is already up (state in {state_dir}); `python -m cluster down --local` first")
     import ray
@@ -43,7 +63,7 @@ def up(state_dir: Path = STATE_DIR) -> dict:
     config["provider"]["gcs_address"] = f"{ip}:{gcs_port}"
     autoscaler_config = state_dir / "autoscaler.yaml"
     autoscaler_config.write_text(yaml.safe_dump(config))
-    temp_dir = tempfile.mkdtemp(prefix="/tmp/rwtwin-")
+    temp_dir = tempfile.mkdtemp(prefix=f"/tmp/{TEMP_DIR_PREFIX}")
     # Free ports for everything with a fixed default, so the twin runs beside another Ray on this machine.
     command = [
         "ray", "start", "--head", f"--port={gcs_port}", "--num-cpus=0",
@@ -62,14 +82,14 @@ def up(state_dir: Path = STATE_DIR) -> dict:
         shutil.rmtree(temp_dir, ignore_errors=True)  # made above; what a failed start left in it is of no use
         last = (started.stderr.strip() or started.stdout.strip() or "no output").splitlines()[-1]
         raise RuntimeError(f"`ray start` failed (exit {started.returncode}): {last}")
-    state = {"address": f"{ip}:{gcs_port}", "dashboard": f"http://127.0.0.1:{dashboard_port}", "temp_dir": temp_dir}
-    (state_dir / "state.json").write_text(json.dumps(state))
+    state = TwinState(address=f"{ip}:{gcs_port}", dashboard=f"http://127.0.0.1:{dashboard_port}", temp_dir=temp_dir)
+    (state_dir / "state.json").write_text(state.model_dump_json())
     return state
 
 
-def _processes_of(state: dict) -> list[psutil.Process]:
+def _processes_of(state: TwinState) -> list[psutil.Process]:
     """Every process of the twin: its command line names the twin's temp dir or GCS address."""
-    marks = (state["temp_dir"], state["address"], f"--gcs_server_port={state['address'].rsplit(':', 1)[1]}")
+    marks = (state.temp_dir, state.address, f"--gcs_server_port={state.address.rsplit(':', 1)[1]}")
     found = []
     for process in psutil.process_iter(["cmdline"]):
         command = " ".join(process.info["cmdline"] or [])
@@ -93,6 +113,6 @@ def down(state_dir: Path = STATE_DIR, grace_s: float = 10.0) -> int:
     _, alive = psutil.wait_procs(processes, timeout=grace_s)
     for process in alive:
         process.kill()
-    shutil.rmtree(state["temp_dir"], ignore_errors=True)  # made by ``up``, for this twin only
+    shutil.rmtree(state.temp_dir, ignore_errors=True)  # made by ``up``, for this twin only
     (state_dir / "state.json").unlink()
     return len(processes)

@@ -32,6 +32,7 @@ from cluster.__main__ import main as cluster_main
 from cluster.jobs import auth_headers, connect
 from cluster.spot_drainer import Imds, wait_for_metadata, watch
 from train.early_checkpoint import latest_checkpoint_request
+from train.schema import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER_TYPES = {"gpu.ondemand": None, "gpu.spot": "spot", "cpu.spot": "spot"}  # type -> EC2 lifecycle
@@ -267,9 +268,9 @@ def test_local_twin_launches_spot_then_on_demand_follows_and_stops_a_job_then_sc
     The job's CPU workers take the CPU from the run, not from the nodes' environment (a cloud node's has none)."""
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)  # which the twin's nodes would inherit from the tests
     state = local.up(tmp_path / "twin")
-    address = ["--address", state["dashboard"]]
+    address = ["--address", state.dashboard]
     try:
-        assert _twin_node_kinds(state["dashboard"]) == []  # the head alone: workers scale from zero
+        assert _twin_node_kinds(state.dashboard) == []  # the head alone: workers scale from zero
         overrides = [
             "scaling.num_workers=2",
             "scaling.resources_per_worker={accelerator: 1}",
@@ -293,9 +294,8 @@ def test_local_twin_launches_spot_then_on_demand_follows_and_stops_a_job_then_sc
             _wait(lambda: "step 10/" in followed.read_text(), 240, "the followed log to show training steps")
             # Where the workers run, not how many nodes are up: once in CI a third node was up at this point
             # (cause unknown; a worker group restart while nodes start launches one). It idles out below.
-            assert _training_worker_node_kinds(state["dashboard"]) == ["ondemand", "spot"], (
-                f"nodes up: {_twin_node_kinds(state['dashboard'])}; the job's log ends:\n"
-                + followed.read_text()[-4000:]
+            assert _training_worker_node_kinds(state.dashboard) == ["ondemand", "spot"], (
+                f"nodes up: {_twin_node_kinds(state.dashboard)}; the job's log ends:\n" + followed.read_text()[-4000:]
             )
             # DeepSpeed's warning that it found no GPU, from each worker that chose its device by itself
             assert "unable to detect" not in followed.read_text()
@@ -303,8 +303,8 @@ def test_local_twin_launches_spot_then_on_demand_follows_and_stops_a_job_then_sc
             assert follow.wait(timeout=60) == 0  # the follow ends with the job
         finally:
             follow.kill()
-        assert connect(state["dashboard"]).get_job_status(job_id).value == "STOPPED"
-        logs = Path(state["temp_dir"], "session_latest", "logs")
+        assert connect(state.dashboard).get_job_status(job_id).value == "STOPPED"
+        logs = Path(state.temp_dir, "session_latest", "logs")
         assert "terminated gracefully" in (logs / "jobs" / f"supervisor-{job_id}.log").read_text()  # not SIGKILLed
         # The head and both nodes (and a third node, where one came up) unpacked the job's code in folders of
         # their own, so none deleted the code under another's workers (an agent re-unpacks a working_dir on
@@ -312,10 +312,23 @@ def test_local_twin_launches_spot_then_on_demand_follows_and_stops_a_job_then_sc
         setup = "".join(log.read_text() for log in logs.glob("runtime_env_setup-*.log"))
         assert len(set(re.findall(r"Downloading package from \S+ to \S+/(runtime_resources[^/]*)/", setup))) >= 3
         # The stopped run withdrew its autoscaler request: the nodes go after the idle timeout (30 s).
-        _wait(lambda: _twin_node_kinds(state["dashboard"]) == [], 150, "the idle nodes to be given back")
+        _wait(lambda: _twin_node_kinds(state.dashboard) == [], 150, "the idle nodes to be given back")
     finally:
         local.down(tmp_path / "twin")
-    assert not local._processes_of(state) and not Path(state["temp_dir"]).exists()
+    assert not local._processes_of(state) and not Path(state.temp_dir).exists()
+
+
+@pytest.mark.unit
+def test_down_deletes_no_directory_but_the_one_up_made(tmp_path):
+    """A twin's state.json naming another temp dir (edited, or another tool's) is refused; nothing is deleted."""
+    precious, state_dir = tmp_path / "precious", tmp_path / "twin"
+    precious.mkdir()
+    state_dir.mkdir()
+    state = {"address": "127.0.0.1:1", "dashboard": "http://127.0.0.1:2", "temp_dir": str(precious)}
+    (state_dir / "state.json").write_text(json.dumps(state))
+    with pytest.raises(ConfigError, match=r"state.json is not a local twin's state .*\(temp_dir: not a directory `up`"):
+        local.down(state_dir)
+    assert precious.exists() and (state_dir / "state.json").exists()
 
 
 @pytest.mark.unit
