@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         "steps": summary.steps,
         "val loss": " -> ".join(f"{v:.4f}" for v in (summary.initial_val_loss, summary.final_val_loss) if v),
     }
+    if summary.final_val_bpb is not None:  # what compares runs of different tokenizers
+        lines["bits/byte"] = f"{summary.final_val_bpb:.3f}"
     if elastic:  # none where the run's drivers left no record of its attempts
         lines["restarts"] = f"{elastic.restarts} ({elastic.steps_redone} steps redone)"
         lines["goodput"] = f"{elastic.goodput:.1%}"

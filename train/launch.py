@@ -66,6 +66,7 @@ class RunSummary:
     export: str
     initial_val_loss: float | None
     final_val_loss: float | None
+    final_val_bpb: float | None  # bits per byte, which compares across tokenizers
     steps: int
     elastic: ElasticSummary | None  # None: the run's drivers left no record of its attempts (train/timeline.py)
 
@@ -334,13 +335,14 @@ def _already_trained(cfg: TrainConfig) -> RunSummary | None:
 def _summary(
     run: str, latest: checkpoint.Checkpoint | None, reports: list[dict], elastic: ElasticSummary | None
 ) -> RunSummary:
-    val_losses = [m["val_loss"] for m in reports if "val_loss" in m]
+    evaluations = [m for m in reports if "val_loss" in m]
     return RunSummary(
         run_dir=run,
         checkpoint=latest.uri if latest else None,
         export=export_uri(run),
-        initial_val_loss=val_losses[0] if val_losses else None,
-        final_val_loss=val_losses[-1] if val_losses else None,
+        initial_val_loss=evaluations[0]["val_loss"] if evaluations else None,
+        final_val_loss=evaluations[-1]["val_loss"] if evaluations else None,
+        final_val_bpb=evaluations[-1].get("val_bpb") if evaluations else None,
         steps=latest.step if latest else 0,
         elastic=elastic,
     )
