@@ -120,8 +120,7 @@ async def require_api_key(request: Request) -> None:
 
 def chat_template(location: str) -> str | None:
     """The chat template a model directory's tokenizer_config.json declares, if any."""
-    uri = storage.join(location, "tokenizer_config.json")
-    template = read_json_object(uri).get("chat_template") if storage.exists(uri) else None
+    template = (read_json_object(storage.join(location, "tokenizer_config.json")) or {}).get("chat_template")
     return template if isinstance(template, str) else None
 
 

@@ -145,15 +145,20 @@ def model_config_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
 def read_model_config(location: str) -> ModelConfig:
     """The ModelConfig of the GPT-2 directory ``location`` (local or URI)."""
     uri = storage.join(location, CONFIG)
-    if not storage.exists(uri):
+    hf = read_json_object(uri)
+    if hf is None:
         raise FileNotFoundError(f"{location}: no {CONFIG}; not a Hugging Face model directory")
-    return model_config_from_hf(read_json_object(uri), uri)
+    return model_config_from_hf(hf, uri)
 
 
-def read_json_object(uri: str) -> dict[str, Any]:
-    """The JSON object in the file ``uri`` (a model directory's config); ValueError naming the file otherwise."""
+def read_json_object(uri: str) -> dict[str, Any] | None:
+    """The JSON object in the file ``uri`` (a model directory's config); None where there is no file. ValueError
+    naming the file where it is not a JSON object."""
+    data = storage.read_if_exists(uri)
+    if data is None:
+        return None
     try:
-        value = json.loads(storage.read_bytes(uri))
+        value = json.loads(data)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{uri}: not valid JSON ({exc})") from None
     if not isinstance(value, dict):
@@ -166,8 +171,9 @@ def weight_files(location: str) -> list[str]:
     if storage.exists(storage.join(location, WEIGHTS)):
         return [WEIGHTS]
     index = storage.join(location, WEIGHTS_INDEX)
-    if storage.exists(index):
-        weight_map = read_json_object(index).get("weight_map")
+    index_object = read_json_object(index)
+    if index_object is not None:
+        weight_map = index_object.get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index}: no weight_map (tensor name -> the safetensors file that holds it)")
         return sorted(set(weight_map.values()))

@@ -22,6 +22,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from train import checkpoint, storage
 from train.config import TrainConfig
 from train.data import dataset_path, prepare
+from train.evaluation import Evaluation
 from train.export import final_evaluation
 from train.lease import Lease
 from train.loop import DivergedError, train_loop
@@ -335,14 +336,14 @@ def _already_trained(cfg: TrainConfig) -> RunSummary | None:
 def _summary(
     run: str, latest: checkpoint.Checkpoint | None, reports: list[dict], elastic: ElasticSummary | None
 ) -> RunSummary:
-    evaluations = [m for m in reports if "val_loss" in m]
+    evaluations = [evaluation for evaluation in map(Evaluation.in_report, reports) if evaluation]
     return RunSummary(
         run_dir=run,
         checkpoint=latest.uri if latest else None,
         export=export_uri(run),
-        initial_val_loss=evaluations[0]["val_loss"] if evaluations else None,
-        final_val_loss=evaluations[-1]["val_loss"] if evaluations else None,
-        final_val_bpb=evaluations[-1].get("val_bpb") if evaluations else None,
+        initial_val_loss=evaluations[0].val_loss if evaluations else None,
+        final_val_loss=evaluations[-1].val_loss if evaluations else None,
+        final_val_bpb=evaluations[-1].val_bpb if evaluations else None,
         steps=latest.step if latest else 0,
         elastic=elastic,
     )

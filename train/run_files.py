@@ -127,12 +127,11 @@ def _records(jsonl: bytes) -> list[Record]:
 def _end_a_cut_line(path: str) -> None:
     """End the last line of the local log ``path`` where a writer killed while it appended left it without its
     newline: the next record then starts a line of its own, and only the cut one is dropped when it is read."""
-    if not os.path.exists(path) or os.path.getsize(path) == 0:
-        return
-    with open(path, "rb+") as f:
-        f.seek(-1, os.SEEK_END)
-        if f.read(1) != b"\n":
-            f.write(b"\n")
+    if os.path.exists(path) and os.path.getsize(path):
+        with open(path, "rb+") as f:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
 
 
 def _of_the_run(kept: list[Record], stored: list[Record]) -> list[Record]:
