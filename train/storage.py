@@ -14,9 +14,18 @@ import pyarrow.fs as pafs
 logger = logging.getLogger(__name__)
 
 
+# pyarrow's GCS client retries a transient error for 15 minutes (google-cloud-cpp's default), so each call to a
+# bucket that cannot be reached, or with credentials that cannot be had, hung that long: give up in seconds, as its
+# S3 client does after three tries, and let raywright's own waits (run.storage_wait_s, checkpoint.failures_tolerated)
+# ride out an outage (Arrow's docs suggest 15 s: apache/arrow#13681). A `retry_limit_seconds` in the URI wins.
+GCS_RETRY_LIMIT_S = 15
+
+
 def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
     """The filesystem and the path within it for a local path or a URI (s3://, gs://, file://)."""
     if "://" in uri:
+        if uri.startswith(("gs://", "gcs://")) and "retry_limit_seconds=" not in uri:
+            uri += f"{'&' if '?' in uri else '?'}retry_limit_seconds={GCS_RETRY_LIMIT_S}"
         return pafs.FileSystem.from_uri(uri)
     return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri))
 
