@@ -26,6 +26,7 @@ from tune.__main__ import main as tune_main
 from tune.config import SWEEP_DIR, SWEEP_FILE, load_sweep_config, sweep_config_from_dict
 from tune.sweep import (
     TRIALS_FILE,
+    BestTrial,
     SweepResult,
     _nothing_to_resume,
     _ran_with,
@@ -137,6 +138,7 @@ def test_a_trial_the_sweep_ended_before_it_reported_is_not_in_the_summary(tmp_pa
     from_files = summarize(sweep, [reported, Result({}, None, None, "x/run_trial_b2_2", pd.DataFrame())], data_path)
     assert live["trial_id"].tolist() == ["a1"] and live.loc[0, "steps"] == 40
     pd.testing.assert_frame_equal(from_files.trials, live)
+    assert from_files.best == BestTrial("a1", 3.0, 40, config)  # its last evaluation, and its parameters
     # A trial that failed before it reported stays: --resume runs it again.
     failed = Result({"config": config}, None, RuntimeError("boom"), "x/run_trial_d4_4", pd.DataFrame())
     assert summarize(sweep, [reported, failed], data_path).trials["trial_id"].tolist() == ["a1", "d4"]
@@ -156,6 +158,7 @@ def test_notebook_sweep_stops_trials_early_runs_them_concurrently_and_its_best_r
         for key in env:
             os.environ.pop(key)
     outputs = [o for c in notebook.cells for o in c.get("outputs", [])]
+    printed = "".join(o.get("text", "") for o in outputs if o["output_type"] == "stream")
     images = [o for o in outputs if "image/png" in o.get("data", {})]
     # raywright's live table of the running sweep (Tune shows tables of its own), as its last update left it.
     tables = [o["data"]["text/html"] for o in outputs if "text/html" in o.get("data", {})]
@@ -188,6 +191,7 @@ def test_notebook_sweep_stops_trials_early_runs_them_concurrently_and_its_best_r
     cfg = load_config(str(recipe), [f"run.storage_path={tmp_path}/best"])
     best = trials[~trials["stopped_early"]].sort_values("val_loss").iloc[0]
     assert cfg.optim.lr == pytest.approx(best["optim.lr"]) and cfg.model.d_model == best["model.d_model"]
+    assert f"best trial {best['trial_id']}: val_loss {best['val_loss']:.4f}" in printed
     summary = run_training(cfg)
     assert summary.steps == 40 and summary.final_val_loss < summary.initial_val_loss
 

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result = resume_sweep(args.resume, sweep) if args.resume else run_sweep_config(sweep)
     print(result.trials.to_string(index=False))
-    print(f"\nbest: trial {result.best['trial_id']}, val_loss {result.best['val_loss']:.4f}")
+    print(f"\nbest: trial {result.best.trial_id}, val_loss {result.best.val_loss:.4f}")
     print(f"best recipe: {result.best_recipe}   (python -m train --config {result.best_recipe})")
     print(f"sweep directory: {result.path}")
     return 0

@@ -2,6 +2,7 @@
 
     result = run_sweep("tiny", {"optim.lr": {"loguniform": [1e-4, 1e-2]}}, name="lr", num_trials=8)
     result.trials          # a DataFrame, one row per trial
+    result.best            # BestTrial: trial_id, val_loss, steps, params ({"optim.lr": ...})
     result.best_recipe     # <sweep dir>/best-lr.yaml: `python -m train --config <that path>`
 
 Results live in ``<storage>/sweeps/<name>/``: Tune's experiment state (``resume_sweep`` picks it
@@ -46,11 +47,27 @@ TRIALS_FILE = "trials.csv"  # written once a sweep has finished (``summarize``)
 TRIAL_PROCESSES = {"ImplicitFunc", "RayTrainWorker"}  # Tune's function trials and their Ray Train workers
 
 
+@dataclass(frozen=True)
+class BestTrial:
+    """The trial with the lowest final ``val_loss`` of those that trained to ``optim.max_steps`` (of all trials
+    where none did)."""
+
+    trial_id: str
+    val_loss: float
+    steps: int
+    params: dict[str, Any]  # its value of each key of the search space, e.g. {"optim.lr": 0.003}
+
+    @classmethod
+    def of_row(cls, row: pd.Series, space_keys: list[str]) -> "BestTrial":
+        values = row.to_dict()  # Python's numbers, not numpy's (which YAML and JSON cannot write)
+        return cls(values["trial_id"], values["val_loss"], values["steps"], {key: values[key] for key in space_keys})
+
+
 @dataclass
 class SweepResult:
     path: str  # the sweep directory
     trials: pd.DataFrame
-    best: dict[str, Any]  # the best trial's row
+    best: BestTrial
     best_recipe: str  # path of the train recipe with the best parameters
     plots: list[str]
     curves: dict[str, pd.DataFrame]  # trial id -> its evaluations: step, metric, time
@@ -315,7 +332,7 @@ def summarize(sweep: SweepConfig, results, data_path: str) -> SweepResult:
         raise RuntimeError(f"sweep {sweep.name}: no trial reported {sweep.metric}; see the logs in {sweep_dir(sweep)}")
     trials = pd.DataFrame(rows).sort_values("started").reset_index(drop=True)
     finished = trials[~trials["stopped_early"] & ~trials["error"] & trials["val_loss"].notna()]
-    best = (finished if len(finished) else trials).sort_values("val_loss").iloc[0].to_dict()
+    best = BestTrial.of_row((finished if len(finished) else trials).sort_values("val_loss").iloc[0], list(sweep.space))
     path = sweep_dir(sweep)
     storage.write_bytes(storage.join(path, TRIALS_FILE), trials.to_csv(index=False).encode())
     recipe = write_best_recipe(sweep, best, data_path)
@@ -323,17 +340,17 @@ def summarize(sweep: SweepConfig, results, data_path: str) -> SweepResult:
     return SweepResult(path, trials, best, recipe, plots, curves)
 
 
-def write_best_recipe(sweep: SweepConfig, best: dict[str, Any], data_path: str) -> str:
+def write_best_recipe(sweep: SweepConfig, best: BestTrial, data_path: str) -> str:
     """best-<sweep>.yaml in the sweep directory (and at ``best_recipe_path`` if set): the base recipe with
     the best parameters, complete and ready to train. The path to train it from."""
-    cfg = trial_config(sweep, {key: best[key] for key in sweep.space}, f"best-{sweep.name}", data_path)
+    cfg = trial_config(sweep, best.params, f"best-{sweep.name}", data_path)
     cfg.run.storage_path = sweep.storage_root()
     targets = [storage.join(sweep_dir(sweep), f"best-{sweep.name}.yaml")]
     if sweep.best_recipe_path:
         targets.insert(0, storage.absolute(sweep.best_recipe_path))
     header = (
-        f"# Best of sweep {sweep.name!r}: trial {best['trial_id']}, {sweep.metric} {best['val_loss']:.4f} "
-        f"after {best['steps']} steps.\n# Train it: python -m train --config {targets[0]}\n"
+        f"# Best of sweep {sweep.name!r}: trial {best.trial_id}, {sweep.metric} {best.val_loss:.4f} "
+        f"after {best.steps} steps.\n# Train it: python -m train --config {targets[0]}\n"
     )
     text = header + yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     for target in targets:
