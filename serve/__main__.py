@@ -109,8 +109,16 @@ def main(argv: list[str] | None = None) -> int:
         message = str(exc).splitlines()[0]
         raise ConfigError(message if message.startswith("checkpoint") else f"checkpoint: {message}") from None
     from train.export import read_provenance
+    from train.hf_gpt2 import read_model_config, weight_files
 
-    read_provenance(location)  # a training record this version cannot read is named here, not by each replica
+    # Named here, not in each replica's tracebacks: a training record this version cannot read, a config.json that
+    # is not GPT-2's, weights missing or cut short.
+    read_provenance(location)
+    try:
+        read_model_config(location)
+        weight_files(location)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"checkpoint: {exc}") from None
 
     import ray
     from ray import serve

@@ -14,10 +14,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
+import safetensors.numpy
 
 from tests.conftest import metadata_json
 from train.config import load_config
+from train.hf_gpt2 import hf_config
+from train.model_config import ModelConfig
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -62,6 +66,7 @@ CASES = [
     ("serve --checkpoint {tmp}/no-such-export", "checkpoint"),
     ("serve --checkpoint {tmp}/resumed/tiny", "export one of its checkpoints first: python -m train.export_checkpoint"),
     ("serve --checkpoint {tmp}/stale-record", "stale-record/raywright.json is not a training record this raywright r"),
+    ("serve --checkpoint {tmp}/cut-weights", "cut-weights/model.safetensors: 70 bytes, where its header describes 80"),
     ("serve --checkpoint x --set precision=int4", "precision"),
     ("serve --checkpoint x --set api_key=s3cret", "unknown key api_key"),
     ("serve --checkpoint x --port 70000", "argument --port: '70000' is not a TCP port"),
@@ -101,6 +106,11 @@ def answers(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     (tmp / "stale-record").mkdir()  # a model whose training record this version cannot read
     (tmp / "stale-record" / "config.json").write_text("{}")
     (tmp / "stale-record" / "raywright.json").write_text(json.dumps({"provenance": {"data_manifest_sha256": "0"}}))
+    (tmp / "cut-weights").mkdir()  # a GPT-2 directory whose weights a copy cut short
+    (tmp / "cut-weights" / "config.json").write_text(json.dumps(hf_config(ModelConfig(), eot_id=256)))
+    weights = safetensors.numpy.save({"w": np.zeros(4, np.float32)})
+    assert len(weights) == 80
+    (tmp / "cut-weights" / "model.safetensors").write_bytes(weights[:70])
     owner = {"host": socket.gethostname(), "pid": os.getpid(), "token": "live", "heartbeat": time.time() + 600}
     (tmp / "owned" / "tiny").mkdir(parents=True)
     (tmp / "owned" / "tiny" / "lease.json").write_text(json.dumps(owner))  # a live driver of run "tiny"

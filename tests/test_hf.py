@@ -6,7 +6,10 @@ text, saved locally): a checkpoint raywright did not write, with OpenAI's tanh G
 
 import json
 import os
+import re
 import shutil
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,11 +21,20 @@ from serve.app import chat_template
 from serve.decoder import Decoder
 from serve.engine import Engine, GenerationParams, Sequence
 from tests.conftest import MEMORIZED_TEXT
+from train import storage
 from train.config import load_config
 from train.data import dataset_path
 from train.ds_config import build_engine
 from train.export import load_exported
-from train.hf_gpt2 import from_hf_state, hf_config, load_weights, model_config_from_hf, read_model_config, to_hf_state
+from train.hf_gpt2 import (
+    from_hf_state,
+    hf_config,
+    load_weights,
+    model_config_from_hf,
+    read_model_config,
+    to_hf_state,
+    weight_files,
+)
 from train.launch import run_training
 from train.model import GPT
 from train.model_config import ModelConfig
@@ -119,6 +131,27 @@ def test_a_checkpoint_sharded_into_several_files_loads_as_the_whole_one(hf_gpt2,
         index.write_text(damaged)
         with pytest.raises(ConfigError, match=f"^model.init_from: {index}: {why}"):
             load_config("tiny", [f"model.init_from={sharded}"])
+
+
+@pytest.mark.unit
+def test_weights_cut_short_are_named_before_anything_loads_them(hf_gpt2, tmp_path, s3_bucket):
+    """An interrupted copy or upload: the safetensors header (a ranged read, also of object storage) gives the
+    length the file must have, and a file of another length is one line naming it."""
+    whole = (Path(hf_gpt2) / "model.safetensors").read_bytes()
+    header = len(b'[{"dtype": "F32"}]').to_bytes(8, "little") + b'[{"dtype": "F32"}]'
+    for root in (str(tmp_path), f"{s3_bucket}/cut-{time.time_ns()}"):
+        storage.copy_dir(hf_gpt2, root)
+        assert weight_files(root) == ["model.safetensors"]
+        weights = storage.join(root, "model.safetensors")
+        for damaged, why in [
+            (whole[: len(whole) // 2], f"{len(whole) // 2} bytes, where its header describes {len(whole)}"),
+            (whole + b"\0", f"{len(whole) + 1} bytes, where its header describes {len(whole)}"),
+            (whole[:5], "not a safetensors file (5 bytes, no header)"),
+            (header, "not a safetensors file (its header is not a table of tensors)"),
+        ]:
+            storage.write_bytes(weights, damaged)
+            with pytest.raises(ConfigError, match=f"^model.init_from: {re.escape(weights)}: {re.escape(why)}"):
+                load_config("tiny", [f"model.init_from={root}"])
 
 
 @pytest.mark.unit

@@ -167,21 +167,44 @@ def read_json_object(uri: str) -> dict[str, Any] | None:
 
 
 def weight_files(location: str) -> list[str]:
-    """The safetensors files of the directory ``location``: one, or the shards its index lists."""
+    """The safetensors files of the directory ``location``: one, or the shards its index lists; each one whole
+    (``check_safetensors``)."""
     if storage.exists(storage.join(location, WEIGHTS)):
-        return [WEIGHTS]
-    index = storage.join(location, WEIGHTS_INDEX)
-    index_object = read_json_object(index)
-    if index_object is not None:
+        names = [WEIGHTS]
+    else:
+        index = storage.join(location, WEIGHTS_INDEX)
+        index_object = read_json_object(index)
+        if index_object is None:
+            # Pickled weights (pytorch_model.bin) could run code when loaded: never read them.
+            raise FileNotFoundError(
+                f"{location}: no {WEIGHTS}; raywright reads safetensors only "
+                "(convert with transformers: model.save_pretrained(dir, safe_serialization=True))"
+            )
         weight_map = index_object.get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index}: no weight_map (tensor name -> the safetensors file that holds it)")
-        return sorted(set(weight_map.values()))
-    # Pickled weights (pytorch_model.bin) could run code when loaded: never read them.
-    raise FileNotFoundError(
-        f"{location}: no {WEIGHTS}; raywright reads safetensors only "
-        "(convert with transformers: model.save_pretrained(dir, safe_serialization=True))"
-    )
+        names = sorted(set(weight_map.values()))
+    for name in names:
+        check_safetensors(storage.join(location, name))
+    return names
+
+
+def check_safetensors(uri: str) -> None:
+    """That ``uri`` is a whole safetensors file, from its header alone (a ranged read): its tensors' bytes end
+    where the file does. One cut short (a copy or upload interrupted) is a ValueError naming it here, before a
+    replica or a training worker loads it and fails on safetensors' "incomplete metadata" naming no file."""
+    head, size = storage.read_range(uri, 0, 8)
+    header_bytes = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if not 0 < header_bytes <= size - 8:
+        raise ValueError(f"{uri}: not a safetensors file ({size} bytes, no header)")
+    try:
+        header = json.loads(storage.read_range(uri, 8, header_bytes)[0])
+        data_bytes = max(t["data_offsets"][1] for name, t in header.items() if name != "__metadata__")
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        raise ValueError(f"{uri}: not a safetensors file (its header is not a table of tensors)") from None
+    if 8 + header_bytes + data_bytes != size:
+        expected = 8 + header_bytes + data_bytes
+        raise ValueError(f"{uri}: {size} bytes, where its header describes {expected}: cut short, or altered")
 
 
 def load_weights(model: GPT, location: str) -> None:

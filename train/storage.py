@@ -111,6 +111,13 @@ def read_bytes(uri: str) -> bytes:
         return f.read()
 
 
+def read_range(uri: str, offset: int, length: int) -> tuple[bytes, int]:
+    """Up to ``length`` bytes of ``uri`` from ``offset``, and the file's size: a ranged read, not the whole file."""
+    fs, path = resolve(uri)
+    with fs.open_input_file(path) as f:
+        return f.read_at(max(0, min(length, f.size() - offset)), offset), f.size()
+
+
 def read_if_exists(uri: str) -> bytes | None:
     """``uri``'s bytes, or None where it does not exist: one request where ``exists`` then ``read_bytes`` make two.
     Storage that cannot be reached still raises (an OSError): it is not taken for a file that is not there."""
