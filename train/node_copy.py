@@ -14,6 +14,7 @@ import os
 import shutil
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from train import storage
@@ -96,8 +97,14 @@ def _write_tokens(path: str, shards: list[str], out) -> None:
     fs, root = storage.resolve(path)
     for shard in shards:
         with fs.open_input_file(f"{root}/{shard}") as source_file:
-            for batch in pq.ParquetFile(source_file).iter_batches(batch_size=8192, columns=["tokens"]):
-                out.write(batch.column("tokens").flatten().to_numpy().astype(np.uint16, copy=False).tobytes())
+            try:
+                for batch in pq.ParquetFile(source_file).iter_batches(batch_size=8192, columns=["tokens"]):
+                    out.write(batch.column("tokens").flatten().to_numpy().astype(np.uint16, copy=False).tobytes())
+            except pa.ArrowInvalid as exc:  # damaged data (a copy cut short), not storage that cannot be reached
+                raise ValueError(
+                    f"{storage.join(path, shard)}: a shard of the prepared dataset that cannot be read ({exc}); "
+                    f"prepare the dataset again (delete {path}, or give another data.path)"
+                ) from None
 
 
 def _drop_orphaned_copies(copies: str) -> None:
