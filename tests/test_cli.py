@@ -61,6 +61,8 @@ CASES = [
     ("tune --config tiny --set num_trials=0", "num_trials"),
     ("tune --config tiny --set 'space={optim.lrate: {choice: [1]}}'", "optim.lrate"),
     ("tune --resume {tmp}", "--resume"),
+    ("tune --config tiny --set best_recipe_path={tmp}", "is a directory; give the path of a YAML file"),
+    ("tune --config tiny --set best_recipe_path={tmp}/users-own/notes.txt", "notes.txt is a file that no sweep wrote"),
     ("tune --resume {tmp} --set num_trials=3", "--set: a resumed sweep keeps the settings it started with"),
     ("serve", "checkpoint"),
     ("serve --checkpoint {tmp}/no-such-export", "checkpoint"),

@@ -30,9 +30,11 @@ from tune.sweep import (
     SweepResult,
     _nothing_to_resume,
     _ran_with,
+    check_best_recipe_path,
     resume_sweep,
     run_sweep,
     summarize,
+    write_best_recipe,
 )
 from tune.trial import ENDED, ended_evaluation
 
@@ -142,6 +144,22 @@ def test_a_trial_the_sweep_ended_before_it_reported_is_not_in_the_summary(tmp_pa
     # A trial that failed before it reported stays: --resume runs it again.
     failed = Result({"config": config}, None, RuntimeError("boom"), "x/run_trial_d4_4", pd.DataFrame())
     assert summarize(sweep, [reported, failed], data_path).trials["trial_id"].tolist() == ["a1", "d4"]
+
+
+@pytest.mark.unit
+def test_best_recipe_path_takes_a_new_file_or_a_best_recipe_and_nothing_else(tmp_path):
+    target = tmp_path / "recipes" / "best.yaml"
+    sweep = sweep_config_from_dict(
+        {"base": "tiny", "space": SPACE, "storage_path": str(tmp_path), "best_recipe_path": str(target)}
+    )
+    check_best_recipe_path(sweep)  # a new file, in a directory made when it is written
+    best = BestTrial("a1", 3.0, 40, {"optim.lr": 1e-3, "optim.warmup_steps": 0, "model.d_model": 64})
+    assert write_best_recipe(sweep, best, str(tmp_path / "data")) == str(target)
+    check_best_recipe_path(sweep)  # a best recipe: the next sweep may overwrite it
+    target.write_text("mine: true\n")
+    with pytest.raises(ConfigError, match=f"^best_recipe_path: {target} is a file that no sweep wrote"):
+        check_best_recipe_path(sweep)
+    assert target.read_text() == "mine: true\n"
 
 
 @pytest.mark.cluster

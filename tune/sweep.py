@@ -13,11 +13,13 @@ up, Optuna's state, ASHA's rungs and finished trials included), each trial's tra
 import io
 import logging
 import os
+import posixpath
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
+import pyarrow.fs as pafs
 import ray
 import yaml
 from ray import tune
@@ -32,8 +34,8 @@ from ray.util.state import list_actors
 from train import checkpoint, storage
 from train.data import dataset_path
 from train.launch import ensure_dataset, init_ray, resources_offered
-from train.preflight import check_before_ray
-from train.schema import replace
+from train.preflight import check_before_ray, check_storage
+from train.schema import ConfigError, replace
 from tune.asha import AshaRungs
 from tune.config import SWEEP_FILE, SweepConfig, saved_sweep_config, sweep_config_from_dict
 from tune.plots import save_plots
@@ -44,6 +46,7 @@ from tune.trial import record_ended, run_trial, sweep_dir, trial_config, trials_
 logger = logging.getLogger(__name__)
 
 TRIALS_FILE = "trials.csv"  # written once a sweep has finished (``summarize``)
+BEST_RECIPE_HEADER = "# Best of sweep "  # how a best recipe begins: a sweep overwrites no other file
 TRIAL_PROCESSES = {"ImplicitFunc", "RayTrainWorker"}  # Tune's function trials and their Ray Train workers
 
 
@@ -79,6 +82,7 @@ def _trainable(sweep: SweepConfig):
     address = [f"run.ray_address={sweep.ray_address}"] if sweep.ray_address else []
     cfg = sweep.base_config([f"run.storage_path={sweep.storage_path}", *address])
     check_before_ray(cfg)
+    check_best_recipe_path(sweep)
     if init_ray(cfg):  # a private Ray: a resource no node has (spot, on a laptop) would keep trials pending forever
         sweep = replace(sweep, trial_resources=resources_offered(sweep.trial_resources, "trial_resources"))
     data_path, manifest = ensure_dataset(cfg)  # prepared once by the driver, read by every trial
@@ -340,6 +344,25 @@ def summarize(sweep: SweepConfig, results, data_path: str) -> SweepResult:
     return SweepResult(path, trials, best, recipe, plots, curves)
 
 
+def check_best_recipe_path(sweep: SweepConfig) -> None:
+    """``best_recipe_path`` can take the best recipe when the sweep ends: a new file, or one a sweep wrote, where
+    it can be written. Checked before any trial runs: a directory or the user's own file there would otherwise fail
+    the sweep at its end, or be overwritten."""
+    path = sweep.best_recipe_path
+    if not path:
+        return
+    fs, where = storage.resolve(path)
+    kind = fs.get_file_info(where).type
+    if kind == pafs.FileType.Directory:
+        raise ConfigError(f"best_recipe_path: {path} is a directory; give the path of a YAML file")
+    if kind == pafs.FileType.File and not storage.read_bytes(path).startswith(BEST_RECIPE_HEADER.encode()):
+        raise ConfigError(
+            f"best_recipe_path: {path} is a file that no sweep wrote; give another path (a sweep overwrites only "
+            "its own best recipes)"
+        )
+    check_storage(posixpath.dirname(storage.absolute(path)), "best_recipe_path")
+
+
 def write_best_recipe(sweep: SweepConfig, best: BestTrial, data_path: str) -> str:
     """best-<sweep>.yaml in the sweep directory (and at ``best_recipe_path`` if set): the base recipe with
     the best parameters, complete and ready to train. The path to train it from."""
@@ -349,7 +372,7 @@ def write_best_recipe(sweep: SweepConfig, best: BestTrial, data_path: str) -> st
     if sweep.best_recipe_path:
         targets.insert(0, storage.absolute(sweep.best_recipe_path))
     header = (
-        f"# Best of sweep {sweep.name!r}: trial {best.trial_id}, {sweep.metric} {best.val_loss:.4f} "
+        f"{BEST_RECIPE_HEADER}{sweep.name!r}: trial {best.trial_id}, {sweep.metric} {best.val_loss:.4f} "
         f"after {best.steps} steps.\n# Train it: python -m train --config {targets[0]}\n"
     )
     text = header + yaml.safe_dump(cfg.to_dict(), sort_keys=False)
