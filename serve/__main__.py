@@ -45,6 +45,24 @@ def check_can_listen(host: str, port: int, setting: str) -> None:
         raise ConfigError(f"{setting}: cannot listen on {host}:{port}: {exc.strerror}") from None
 
 
+def check_replicas_here(cfg: ServeConfig) -> None:
+    """What a replica on this machine (a local Ray's) would fail on, named before Ray starts rather than in pages
+    of Serve's tracebacks: no GPU for ``device: cuda`` (it would wait for one forever), a precision the device
+    cannot run, an API key file that cannot be read."""
+    import torch
+
+    from serve.precision import check_precision
+
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device: cuda, but this machine has no GPU for a local Ray's replicas")
+    device = cfg.resolved_device(torch.cuda.is_available())
+    try:
+        check_precision(cfg.resolved_precision(device), device)
+        cfg.resolved_api_key()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def _interrupt(signum: int, frame) -> None:
     raise KeyboardInterrupt  # SIGTERM stops the server as Ctrl-C does, whatever SIGINT's disposition
 
@@ -119,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         weight_files(location)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"checkpoint: {exc}") from None
+    if started_ray:
+        check_replicas_here(cfg)
 
     import ray
     from ray import serve

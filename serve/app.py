@@ -133,7 +133,7 @@ def _token_text(data: bytes) -> str:
 class CompletionServer:
     def __init__(self, config: dict[str, Any]):
         cfg = serve_config_from_dict(config)
-        device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+        device = cfg.resolved_device(torch.cuda.is_available())
         location = resolve_export(cfg.checkpoint)
         self.model_name = cfg.model_name or export_name(location, read_provenance(location))
         self.precision = cfg.resolved_precision(device)
@@ -437,7 +437,7 @@ def build_app(args: dict[str, Any]):
 
 
 def deployment_for(cfg: ServeConfig):
-    gpu = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    gpu = cfg.resolved_device(torch.cuda.is_available()) == "cuda"
     return CompletionServer.options(
         max_ongoing_requests=cfg.max_ongoing_requests,
         max_queued_requests=cfg.max_queued_requests,

@@ -71,6 +71,10 @@ class ServeConfig(Section):
             raise ValueError(f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})")
         return self
 
+    def resolved_device(self, cuda_available: bool) -> Literal["cuda", "cpu"]:
+        """``device`` with auto resolved: a GPU where the replica's machine has one."""
+        return "cuda" if self.device == "cuda" or (self.device == "auto" and cuda_available) else "cpu"
+
     def resolved_precision(self, device: str) -> Precision:
         """``precision`` with auto resolved for ``device``.
 

@@ -127,12 +127,17 @@ def _torchao_quantize(module: nn.Module, precision: str) -> None:
         quantize_(module, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
 
 
-def apply_precision(module: nn.Module, precision: str, device: torch.device) -> nn.Module:
-    """``module`` on ``device`` at ``precision``, modified in place and returned."""
+def check_precision(precision: str, device_type: str) -> None:
+    """That ``precision`` runs on a ``device_type`` device ("cuda" or "cpu"); a ValueError naming it if not."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r} is not one of {list(PRECISIONS)}")
-    if precision == "fp8" and device.type != "cuda":
+    if precision == "fp8" and device_type != "cuda":
         raise ValueError("precision 'fp8' needs a GPU; on CPU use 'int8'")
+
+
+def apply_precision(module: nn.Module, precision: str, device: torch.device) -> nn.Module:
+    """``module`` on ``device`` at ``precision``, modified in place and returned."""
+    check_precision(precision, device.type)
     module.to(device)
     if precision == "bf16":
         module.to(torch.bfloat16)

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import safetensors.numpy
+import torch
 
 from tests.conftest import metadata_json
 from train.config import load_config
@@ -69,6 +70,10 @@ CASES = [
     ("serve --checkpoint {tmp}/resumed/tiny", "export one of its checkpoints first: python -m train.export_checkpoint"),
     ("serve --checkpoint {tmp}/stale-record", "stale-record/raywright.json is not a training record this raywright r"),
     ("serve --checkpoint {tmp}/cut-weights", "cut-weights/model.safetensors: 70 bytes, where its header describes 80"),
+    ("serve --checkpoint {tmp}/model --set device=cpu --set precision=fp8", "precision 'fp8' needs a GPU"),
+    ("serve --checkpoint {tmp}/model --set api_key_file={tmp}/no-such-key", "api_key_file: cannot read"),
+    # A local Ray's replica would wait forever for a GPU.
+    *([] if torch.cuda.is_available() else [("serve --checkpoint {tmp}/model --set device=cuda", "device: cuda, but")]),
     ("serve --checkpoint x --set precision=int4", "precision"),
     ("serve --checkpoint x --set api_key=s3cret", "unknown key api_key"),
     ("serve --checkpoint x --port 70000", "argument --port: '70000' is not a TCP port"),
@@ -108,11 +113,12 @@ def answers(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     (tmp / "stale-record").mkdir()  # a model whose training record this version cannot read
     (tmp / "stale-record" / "config.json").write_text("{}")
     (tmp / "stale-record" / "raywright.json").write_text(json.dumps({"provenance": {"data_manifest_sha256": "0"}}))
-    (tmp / "cut-weights").mkdir()  # a GPT-2 directory whose weights a copy cut short
-    (tmp / "cut-weights" / "config.json").write_text(json.dumps(hf_config(ModelConfig(), eot_id=256)))
-    weights = safetensors.numpy.save({"w": np.zeros(4, np.float32)})
+    weights = safetensors.numpy.save({"w": np.zeros(4, np.float32)})  # whole, as far as the checks before Ray see
     assert len(weights) == 80
-    (tmp / "cut-weights" / "model.safetensors").write_bytes(weights[:70])
+    for model, size in (("model", 80), ("cut-weights", 70)):  # a GPT-2 directory; one whose weights a copy cut short
+        (tmp / model).mkdir()
+        (tmp / model / "config.json").write_text(json.dumps(hf_config(ModelConfig(), eot_id=256)))
+        (tmp / model / "model.safetensors").write_bytes(weights[:size])
     owner = {"host": socket.gethostname(), "pid": os.getpid(), "token": "live", "heartbeat": time.time() + 600}
     (tmp / "owned" / "tiny").mkdir(parents=True)
     (tmp / "owned" / "tiny" / "lease.json").write_text(json.dumps(owner))  # a live driver of run "tiny"
