@@ -441,9 +441,11 @@ def test_rows_without_text_are_skipped_as_if_they_were_not_there(ray_session, tm
 
 
 @pytest.mark.unit
-def test_a_source_leaves_out_installed_packages_and_bytecode_on_any_filesystem(tmp_path):
-    """The default source is the stdlib directory, which holds site-packages: it is never read, nor listed."""
-    for name in ("json/decoder.py", "site-packages/torch/nn.py", "json/__pycache__/decoder.pyc", "README.txt"):
+def test_a_source_leaves_out_installed_packages_bytecode_and_hidden_files_on_any_filesystem(tmp_path):
+    """The default source is the stdlib directory, which holds site-packages: it is never read, nor listed. A
+    project's directory holds .git/ (compressed objects) and such: not text to train on."""
+    hidden = (".git/objects/ab/cdef", ".venv/lib/x.py", "json/.DS_Store", ".env")
+    for name in ("json/decoder.py", "site-packages/torch/nn.py", "json/__pycache__/decoder.pyc", "README.txt", *hidden):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("x")
     assert list_source(f"{tmp_path}/**/*.py")[1] == [str(tmp_path / "json/decoder.py")]

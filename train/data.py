@@ -92,19 +92,26 @@ def _source_files(source: str) -> tuple[pafs.FileSystem, list[str]]:
 SKIPPED_DIRS = {"site-packages", "__pycache__"}
 
 
+def _skipped(name: str) -> bool:
+    """A hidden file or folder (``.git/``, ``.venv/``, ``.DS_Store``: a project's directory holds them, and a
+    byte-level corpus would take their binary objects as text), or one of ``SKIPPED_DIRS``."""
+    return name.startswith(".") or name in SKIPPED_DIRS
+
+
 def _files_below(fs: pafs.FileSystem, base: str) -> list[str]:
-    """Every file below the directory ``base``, none in a ``SKIPPED_DIRS`` folder."""
+    """Every file below the directory ``base``, none of them or of their folders ``_skipped``."""
     if isinstance(fs, pafs.LocalFileSystem):  # skipped as it walks: site-packages can hold 40x the stdlib's files
         files = []
         for folder, subfolders, names in os.walk(base):
-            subfolders[:] = [d for d in subfolders if d not in SKIPPED_DIRS]
-            files += [os.path.join(folder, name) for name in names if os.path.isfile(os.path.join(folder, name))]
+            subfolders[:] = [d for d in subfolders if not _skipped(d)]
+            paths = [os.path.join(folder, name) for name in names if not _skipped(name)]
+            files += [path for path in paths if os.path.isfile(path)]
         return files
     infos = fs.get_file_info(pafs.FileSelector(base, recursive=True))  # one listing, where each is a request
     return [
         i.path
         for i in infos
-        if i.type == pafs.FileType.File and not SKIPPED_DIRS & set(i.path[len(base) :].split("/")[:-1])
+        if i.type == pafs.FileType.File and not any(_skipped(part) for part in i.path[len(base) :].split("/") if part)
     ]
 
 
