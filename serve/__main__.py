@@ -128,13 +128,15 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(message if message.startswith("checkpoint") else f"checkpoint: {message}") from None
     from train.export import read_provenance
     from train.hf_gpt2 import read_model_config, weight_files
+    from train.tokenizer import load_tokenizer
 
     # Named here, not in each replica's tracebacks: a training record this version cannot read, a config.json that
-    # is not GPT-2's, weights missing or cut short.
+    # is not GPT-2's, weights missing or cut short, no tokenizer.
     read_provenance(location)
     try:
         read_model_config(location)
         weight_files(location)
+        load_tokenizer(location)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"checkpoint: {exc}") from None
     if started_ray:

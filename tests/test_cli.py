@@ -23,6 +23,7 @@ from tests.conftest import metadata_json
 from train.config import load_config
 from train.hf_gpt2 import hf_config
 from train.model_config import ModelConfig
+from train.tokenizer import ByteTokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -70,6 +71,7 @@ CASES = [
     ("serve --checkpoint {tmp}/resumed/tiny", "export one of its checkpoints first: python -m train.export_checkpoint"),
     ("serve --checkpoint {tmp}/stale-record", "stale-record/raywright.json is not a training record this raywright r"),
     ("serve --checkpoint {tmp}/cut-weights", "cut-weights/model.safetensors: 70 bytes, where its header describes 80"),
+    ("serve --checkpoint {tmp}/no-tokenizer", "checkpoint: no tokenizer.json at"),
     ("serve --checkpoint {tmp}/model --set device=cpu --set precision=fp8", "precision 'fp8' needs a GPU"),
     ("serve --checkpoint {tmp}/model --set api_key_file={tmp}/no-such-key", "api_key_file: cannot read"),
     # A local Ray's replica would wait forever for a GPU.
@@ -115,10 +117,13 @@ def answers(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     (tmp / "stale-record" / "raywright.json").write_text(json.dumps({"provenance": {"data_manifest_sha256": "0"}}))
     weights = safetensors.numpy.save({"w": np.zeros(4, np.float32)})  # whole, as far as the checks before Ray see
     assert len(weights) == 80
-    for model, size in (("model", 80), ("cut-weights", 70)):  # a GPT-2 directory; one whose weights a copy cut short
+    # A GPT-2 directory; one whose weights a copy cut short; one without its tokenizer.
+    for model, size, tokenizer in (("model", 80, True), ("cut-weights", 70, True), ("no-tokenizer", 80, False)):
         (tmp / model).mkdir()
         (tmp / model / "config.json").write_text(json.dumps(hf_config(ModelConfig(), eot_id=256)))
         (tmp / model / "model.safetensors").write_bytes(weights[:size])
+        if tokenizer:
+            (tmp / model / "tokenizer.json").write_text(ByteTokenizer().to_json())
     owner = {"host": socket.gethostname(), "pid": os.getpid(), "token": "live", "heartbeat": time.time() + 600}
     (tmp / "owned" / "tiny").mkdir(parents=True)
     (tmp / "owned" / "tiny" / "lease.json").write_text(json.dumps(owner))  # a live driver of run "tiny"
