@@ -202,9 +202,9 @@ def check_safetensors(uri: str) -> None:
         data_bytes = max(t["data_offsets"][1] for name, t in header.items() if name != "__metadata__")
     except (ValueError, TypeError, KeyError, IndexError, AttributeError):
         raise ValueError(f"{uri}: not a safetensors file (its header is not a table of tensors)") from None
-    if 8 + header_bytes + data_bytes != size:
-        expected = 8 + header_bytes + data_bytes
-        raise ValueError(f"{uri}: {size} bytes, where its header describes {expected}: cut short, or altered")
+    described = 8 + header_bytes + data_bytes
+    if described != size:
+        raise ValueError(f"{uri}: {size} bytes, where its header describes {described}: cut short, or altered")
 
 
 def load_weights(model: GPT, location: str) -> None:

@@ -351,6 +351,7 @@ def check_best_recipe_path(sweep: SweepConfig) -> None:
     path = sweep.best_recipe_path
     if not path:
         return
+    check_storage(posixpath.dirname(storage.absolute(path)), "best_recipe_path")  # reachable, or writable here
     fs, where = storage.resolve(path)
     kind = fs.get_file_info(where).type
     if kind == pafs.FileType.Directory:
@@ -360,7 +361,6 @@ def check_best_recipe_path(sweep: SweepConfig) -> None:
             f"best_recipe_path: {path} is a file that no sweep wrote; give another path (a sweep overwrites only "
             "its own best recipes)"
         )
-    check_storage(posixpath.dirname(storage.absolute(path)), "best_recipe_path")
 
 
 def write_best_recipe(sweep: SweepConfig, best: BestTrial, data_path: str) -> str:
