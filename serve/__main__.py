@@ -53,9 +53,10 @@ def check_replicas_here(cfg: ServeConfig) -> None:
 
     from serve.precision import check_precision
 
-    if cfg.device == "cuda" and not torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    if cfg.device == "cuda" and not cuda:
         raise ConfigError("device: cuda, but this machine has no GPU for a local Ray's replicas")
-    device = cfg.resolved_device(torch.cuda.is_available())
+    device = cfg.resolved_device(cuda)
     try:
         check_precision(cfg.resolved_precision(device), device)
         cfg.resolved_api_key()
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         message = str(exc).splitlines()[0]
         raise ConfigError(message if message.startswith("checkpoint") else f"checkpoint: {message}") from None
     from train.export import read_provenance
-    from train.hf_gpt2 import read_model_config, weight_files
+    from train.hf_gpt2 import check_weights, read_model_config
     from train.tokenizer import load_tokenizer
 
     # Named here, not in each replica's tracebacks: a training record this version cannot read, a config.json that
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     read_provenance(location)
     try:
         read_model_config(location)
-        weight_files(location)
+        check_weights(location)
         load_tokenizer(location)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"checkpoint: {exc}") from None

@@ -13,7 +13,7 @@ from pydantic import Field, field_validator, model_validator
 
 from train import storage
 from train.batching import check_batch_divides
-from train.hf_gpt2 import read_model_config, weight_files
+from train.hf_gpt2 import check_weights, read_model_config
 from train.model_config import ModelConfig
 from train.schema import ConfigError, Name, Section, find_config_file, parse, read_tree, replace, shipped_names
 from train.tokenizer import MAX_VOCAB, BPETokenizer, ByteTokenizer, load_tokenizer
@@ -298,7 +298,7 @@ def resolve_model(cfg: TrainConfig) -> TrainConfig:
             )
         try:
             shape = read_model_config(init_from)
-            weight_files(init_from)
+            check_weights(init_from)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"model.init_from: {exc}") from None
         model = replace(shape, dropout=model.dropout, init_from=init_from)

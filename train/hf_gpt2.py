@@ -167,38 +167,42 @@ def read_json_object(uri: str) -> dict[str, Any] | None:
 
 
 def weight_files(location: str) -> list[str]:
-    """The safetensors files of the directory ``location``: one, or the shards its index lists; each one whole
-    (``check_safetensors``)."""
+    """The safetensors files of the directory ``location``: one, or the shards its index lists."""
     if storage.exists(storage.join(location, WEIGHTS)):
-        names = [WEIGHTS]
-    else:
-        index = storage.join(location, WEIGHTS_INDEX)
-        index_object = read_json_object(index)
-        if index_object is None:
-            # Pickled weights (pytorch_model.bin) could run code when loaded: never read them.
-            raise FileNotFoundError(
-                f"{location}: no {WEIGHTS}; raywright reads safetensors only "
-                "(convert with transformers: model.save_pretrained(dir, safe_serialization=True))"
-            )
+        return [WEIGHTS]
+    index = storage.join(location, WEIGHTS_INDEX)
+    index_object = read_json_object(index)
+    if index_object is not None:
         weight_map = index_object.get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index}: no weight_map (tensor name -> the safetensors file that holds it)")
-        names = sorted(set(weight_map.values()))
-    for name in names:
+        return sorted(set(weight_map.values()))
+    # Pickled weights (pytorch_model.bin) could run code when loaded: never read them.
+    raise FileNotFoundError(
+        f"{location}: no {WEIGHTS}; raywright reads safetensors only "
+        "(convert with transformers: model.save_pretrained(dir, safe_serialization=True))"
+    )
+
+
+def check_weights(location: str) -> None:
+    """That the directory ``location`` holds its safetensors files whole (``check_safetensors``): what a driver
+    checks before Ray starts, without reading the weights."""
+    for name in weight_files(location):
         check_safetensors(storage.join(location, name))
-    return names
 
 
 def check_safetensors(uri: str) -> None:
-    """That ``uri`` is a whole safetensors file, from its header alone (a ranged read): its tensors' bytes end
-    where the file does. One cut short (a copy or upload interrupted) is a ValueError naming it here, before a
-    replica or a training worker loads it and fails on safetensors' "incomplete metadata" naming no file."""
-    head, size = storage.read_range(uri, 0, 8)
-    header_bytes = int.from_bytes(head, "little") if len(head) == 8 else -1
-    if not 0 < header_bytes <= size - 8:
-        raise ValueError(f"{uri}: not a safetensors file ({size} bytes, no header)")
+    """That ``uri`` is a whole safetensors file, from its header alone (ranged reads): its tensors' bytes end
+    where the file does. One cut short (a copy or upload interrupted) is a ValueError naming it, before a
+    replica or a training worker loads it."""
+    with storage.open_input_file(uri) as f:
+        size = f.size()
+        header_bytes = int.from_bytes(f.read_at(8, 0), "little") if size >= 8 else -1
+        if not 0 < header_bytes <= size - 8:
+            raise ValueError(f"{uri}: not a safetensors file ({size} bytes, no header)")
+        header_text = f.read_at(header_bytes, 8)
     try:
-        header = json.loads(storage.read_range(uri, 8, header_bytes)[0])
+        header = json.loads(header_text)
         data_bytes = max(t["data_offsets"][1] for name, t in header.items() if name != "__metadata__")
     except (ValueError, TypeError, KeyError, IndexError, AttributeError):
         raise ValueError(f"{uri}: not a safetensors file (its header is not a table of tensors)") from None
@@ -209,9 +213,14 @@ def check_safetensors(uri: str) -> None:
 
 def load_weights(model: GPT, location: str) -> None:
     """Load the GPT-2 weights of the directory ``location`` into ``model`` (shapes must agree)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load as load_safetensors  # torch: imported where weights are loaded
 
     hf = {}
     for name in weight_files(location):
-        hf.update(load_safetensors(storage.read_bytes(storage.join(location, name))))
+        uri = storage.join(location, name)
+        try:
+            hf.update(load_safetensors(storage.read_bytes(uri)))
+        except SafetensorError as exc:  # which names no file
+            raise ValueError(f"{uri}: not a whole safetensors file ({exc})") from None
     model.load_state_dict(from_hf_state(hf, model.state_dict(), location), strict=True)

@@ -9,6 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 logger = logging.getLogger(__name__)
@@ -111,11 +112,10 @@ def read_bytes(uri: str) -> bytes:
         return f.read()
 
 
-def read_range(uri: str, offset: int, length: int) -> tuple[bytes, int]:
-    """Up to ``length`` bytes of ``uri`` from ``offset``, and the file's size: a ranged read, not the whole file."""
+def open_input_file(uri: str) -> pa.NativeFile:
+    """``uri`` open for reads at any offset (``size``, ``read_at``): only the bytes asked for are fetched."""
     fs, path = resolve(uri)
-    with fs.open_input_file(path) as f:
-        return f.read_at(max(0, min(length, f.size() - offset)), offset), f.size()
+    return fs.open_input_file(path)
 
 
 def read_if_exists(uri: str) -> bytes | None:
