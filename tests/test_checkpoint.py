@@ -15,6 +15,7 @@ from train.config import load_config
 from train.ds_config import build_engine
 from train.export_checkpoint import check_out, default_out, find_checkpoint
 from train.model import GPT
+from train.preflight import check_resume
 from train.schema import ConfigError
 from train.tokenizer import ByteTokenizer
 
@@ -77,6 +78,23 @@ def test_a_complete_checkpoint_whose_metadata_this_version_cannot_read_is_named_
     checkpoint.prune(str(tmp_path), keep_last=1)
     assert storage.list_dir(f"{tmp_path}/{checkpoint.CHECKPOINTS}") == ["step_00000020", "step_00000030"]
     assert "left as it is" in caplog.text
+
+
+def test_a_resume_names_the_settings_it_trains_on_with_and_refuses_what_its_checkpoint_cannot_take(tmp_path):
+    _step(tmp_path / "tiny", 4, complete=True)
+
+    def resume(*overrides: str) -> list[str]:
+        return check_resume(load_config("tiny", [f"run.storage_path={tmp_path}", *overrides]))
+
+    assert resume() == []  # the same settings; the storage path only spelled otherwise than the checkpoint's "runs"
+    # Raised max_steps and lowered lr are named; an auto batch picks its value as the run starts, and says so.
+    assert resume("optim.max_steps=400", "optim.lr=1e-4", "optim.micro_batch_size=auto") == [
+        "optim.lr 0.003 -> 0.0001",
+        "optim.max_steps 100 -> 400",
+    ]
+    assert resume("optim.max_steps=4", "optim.warmup_steps=2") == []  # trained: no step is left to train with them
+    with pytest.raises(ConfigError, match=r"which cannot take model.n_layer 2 -> 3; optim.global_batch_size 16 -> 32"):
+        resume("model.n_layer=3", "optim.global_batch_size=32", "optim.lr=1e-4")
 
 
 def test_metadata_is_written_whole_or_not_at_all(tmp_path):

@@ -26,7 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     from train.preflight import check_before_ray, check_resume
 
     check_before_ray(cfg)
-    check_resume(cfg)
+    changed = check_resume(cfg)
+    if changed:
+        print(f"note: {cfg.run.name!r} resumes with settings its newest checkpoint did not have: {'; '.join(changed)}")
     from train.launch import run_training
     from train.lease import RunOwnedError
     from train.loop import DivergedError

@@ -132,14 +132,25 @@ RESUME_MUST_MATCH = (
     "deepspeed.zero_stage",
     "run.seed",
 )
+# Where a run is and runs, not what it trains: a resume may spell or place them otherwise without a note.
+RESUME_PLACE = ("run.name", "run.storage_path", "run.ray_address")
 
 
-def check_resume(cfg: TrainConfig) -> None:
+def _settings(config: dict) -> dict[str, object]:
+    """A resolved config's settings by ``section.key``."""
+    return {f"{section}.{key}": value for section, fields in config.items() for key, value in fields.items()}
+
+
+def check_resume(cfg: TrainConfig) -> list[str]:
     """A run that resumes (its name has a checkpoint) keeps the settings and the dataset the checkpoint needs,
-    and its drivers' record of it is one this version continues."""
+    and its drivers' record of it is one this version continues.
+
+    Returns the settings that the steps it has left train with otherwise (``key old -> new``), for the driver to
+    show: a longer ``optim.max_steps``, say, stretches the learning-rate schedule, which rises again from there.
+    """
     run_uri = storage.join(cfg.run.storage_path, cfg.run.name)
     if not storage.exists(run_uri):
-        return
+        return []
     from train import checkpoint  # imports DeepSpeed: only for a run that may resume
     from train.timeline import read_saved_state, read_summary
 
@@ -148,29 +159,29 @@ def check_resume(cfg: TrainConfig) -> None:
 
     latest = checkpoint.latest_complete(run_uri)
     if latest is None:
-        return
-    saved, current = latest.config, cfg.to_dict()
-
-    def value(tree: dict, key: str):
-        section, name = key.split(".")
-        return tree.get(section, {}).get(name)
-
-    if value(current, "deepspeed.zero_stage") == "auto":  # an auto run keeps the stage its checkpoint has
-        current["deepspeed"]["zero_stage"] = value(saved, "deepspeed.zero_stage")
-    changed = [
-        f"{key} {value(saved, key)!r} -> {value(current, key)!r}"
-        for key in RESUME_MUST_MATCH
-        if value(saved, key) != value(current, key)
-    ]
+        return []
+    saved, current = _settings(latest.config), _settings(cfg.to_dict())
+    # A checkpoint records what its run's autos became; an auto here picks again (and says what) as the run starts,
+    # but an auto stage keeps the checkpoint's.
+    autos = [key for key, value in current.items() if value == "auto"]
+    differ = {
+        key: f"{key} {saved[key]!r} -> {current[key]!r}"
+        for key in saved.keys() & current.keys()  # a setting newer than the checkpoint's version is no change
+        if saved[key] != current[key] and key not in autos
+    }
+    refused = [differ[key] for key in RESUME_MUST_MATCH if key in differ]
     data_path = dataset_path(cfg)
     manifest = load_manifest(data_path)
     if manifest is not None and manifest.sha256 != latest.data_manifest_sha256:
-        changed.append(f"the dataset ({data_path} is not the one it trained on)")
-    if changed:
+        refused.append(f"the dataset ({data_path} is not the one it trained on)")
+    if refused:
         raise ConfigError(
-            f"run.name: {cfg.run.name!r} resumes from {latest.uri}, which cannot take {'; '.join(changed)}; "
+            f"run.name: {cfg.run.name!r} resumes from {latest.uri}, which cannot take {'; '.join(refused)}; "
             "give a new run.name to start afresh"
         )
+    if latest.step >= cfg.optim.max_steps:  # nothing left to train with them
+        return []
+    return [line for key, line in sorted(differ.items()) if key not in RESUME_PLACE]
 
 
 def check_gpus(cfg: TrainConfig) -> None:
