@@ -303,6 +303,8 @@ def test_local_twin_launches_spot_then_on_demand_follows_and_stops_a_job_then_sc
             assert follow.wait(timeout=60) == 0  # the follow ends with the job
         finally:
             follow.kill()
+        # Each worker's line once: the nodes, sharing the head's logs folder, start no log monitor of their own.
+        assert followed.read_text().count("step 10/100000 |") == 1, followed.read_text()[-4000:]
         assert connect(state.dashboard).get_job_status(job_id).value == "STOPPED"
         logs = Path(state.temp_dir, "session_latest", "logs")
         assert "terminated gracefully" in (logs / "jobs" / f"supervisor-{job_id}.log").read_text()  # not SIGKILLed
