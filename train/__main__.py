@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     check_before_ray(cfg)
     changed = check_resume(cfg)
     if changed:
-        print(f"note: {cfg.run.name!r} resumes with settings its newest checkpoint did not have: {'; '.join(changed)}")
+        changes = "; ".join(changed)
+        print(f"note: {cfg.run.name!r} resumes with settings its newest checkpoint did not have: {changes}", flush=True)
     from train.launch import run_training
     from train.lease import RunOwnedError
     from train.loop import DivergedError
