@@ -138,7 +138,7 @@ def test_readme_commands_run_as_written(tmp_path):
                 assert '"text"' in done.stdout, done.stdout
                 stopping, server = server, None
                 _stop(stopping)  # its Ray would share the cores with the commands after it
-            if command.split(" && ")[-1].startswith("python -m train"):
+            if command.split(" && ")[-1].startswith(("python -m train", "python -m tune")):
                 # No DeepSpeed warning: none about the GPU a CPU machine lacks, none about tensor parallelism.
                 assert "] [WARNING] [" not in done.stdout, done.stdout
             if command == "python -m train --help":

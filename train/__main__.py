@@ -1,9 +1,8 @@
 """python -m train [--config RECIPE] [--set section.key=value ...]   (--help lists every setting)"""
 
-import os
 import sys
 
-from train.cli import config_errors_exit_2, config_parser, print_config
+from train.cli import config_errors_exit_2, config_parser, print_config, use_cpu_deepspeed_unless_gpu_workers
 from train.config import TrainConfig, load_config, recipe_names
 
 
@@ -21,8 +20,7 @@ def main(argv: list[str] | None = None) -> int:
         print_config(cfg)
         return 0
     # torch, DeepSpeed and Ray load only now: a typo in the config is answered in about a second.
-    if not cfg.scaling.use_gpu:  # else DeepSpeed looks for a GPU as it loads, and warns that it found none
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    use_cpu_deepspeed_unless_gpu_workers(cfg)
     from train.preflight import check_before_ray, check_resume
 
     check_before_ray(cfg)

@@ -3,6 +3,7 @@ a ``--help`` generated from the config's schema, and one line on stderr with exi
 
 import argparse
 import functools
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
+from train.config import TrainConfig
 from train.schema import ConfigError, Section, fields_help, load_yaml, parse
 
 
@@ -69,3 +71,10 @@ def config_errors_exit_2(main: Callable[[list[str] | None], int]) -> Callable[[l
             return 2
 
     return wrapper
+
+
+def use_cpu_deepspeed_unless_gpu_workers(cfg: TrainConfig) -> None:
+    """DeepSpeed's accelerator is the CPU where the run's workers have no GPU. Set before DeepSpeed loads, which
+    otherwise looks for a GPU and warns that it found none; a local Ray's processes (a sweep's trials) inherit it."""
+    if not cfg.scaling.use_gpu:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")

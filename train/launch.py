@@ -20,6 +20,7 @@ from ray.train.torch import TorchConfig
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from train import checkpoint, storage
+from train.cli import use_cpu_deepspeed_unless_gpu_workers
 from train.config import TrainConfig
 from train.data import dataset_path, prepare
 from train.evaluation import Evaluation
@@ -94,8 +95,7 @@ def init_ray(cfg: TrainConfig) -> bool:
     """
     if ray.is_initialized():
         return False
-    if not cfg.scaling.use_gpu:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # inherited by a local Ray's processes: a sweep's trials
+    use_cpu_deepspeed_unless_gpu_workers(cfg)
     address = cluster_address(cfg)
     if address:
         ray.init(address=address)

@@ -2,7 +2,7 @@
 
 import sys
 
-from train.cli import config_errors_exit_2, config_parser, print_config
+from train.cli import config_errors_exit_2, config_parser, print_config, use_cpu_deepspeed_unless_gpu_workers
 from tune.config import SweepConfig, load_sweep_config, saved_sweep_config, sweep_names
 
 
@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
         print_config(sweep)
         return 0
 
+    use_cpu_deepspeed_unless_gpu_workers(sweep.base_config())  # before tune.sweep loads DeepSpeed
     from tune.sweep import resume_sweep, run_sweep_config
 
     result = resume_sweep(args.resume, sweep) if args.resume else run_sweep_config(sweep)
