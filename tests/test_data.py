@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -438,6 +439,20 @@ def test_rows_without_text_are_skipped_as_if_they_were_not_there(ray_session, tm
     missing_text = DataConfig(source=str(tmp_path / "missing.jsonl"), val_fraction=0.2)
     missing = prepare(missing_text, str(tmp_path / "missing"), 32)
     assert "skipped 1 of 60 rows" in capsys.readouterr().out and missing.documents == 59
+    # A project's directory: its text, and an image among it, which is not taken for text.
+    (tmp_path / "project").mkdir()
+    for i, doc in enumerate(docs):
+        (tmp_path / "project" / f"doc{i:02d}.txt").write_text(doc)
+    (tmp_path / "project" / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)) * 40)
+    project = prepare(DataConfig(source=str(tmp_path / "project"), val_fraction=0.2), str(tmp_path / "project-out"), 32)
+    assert f"skipped 1 of the 61 files of {tmp_path}/project: not text (a NUL byte)" in capsys.readouterr().out
+    assert project.documents == 60 and project.source_sha256 == whole.source_sha256
+    # No text at all: one line naming the source, not a ZeroDivisionError where tokens per byte are counted.
+    pq.write_table(pa.table({"text": pa.array([None, None], pa.string())}), tmp_path / "blank.parquet")
+    for source, why in (("project/logo.png", "(skipped 1 of the 1 files"), ("blank.parquet", "(skipped 2 of 2 rows")):
+        error = f"data.source: {tmp_path}/{source} holds no text to train on {why}"
+        with pytest.raises(ConfigError, match=re.escape(error)):
+            prepare(DataConfig(source=f"{tmp_path}/{source}"), str(tmp_path / "out"), 32)
 
 
 @pytest.mark.unit
@@ -510,6 +525,12 @@ def test_a_text_file_larger_than_a_piece_is_read_as_pieces_cut_at_line_ends():
     assert pieces == [b"y" * 64, b"y" * 64, b"y" * 22 + b"\nend\n"]
     assert list(text_pieces(pa.BufferReader(b"a\n" * 32), piece_bytes=64)) == [b"a\n" * 32]
     assert list(text_pieces(pa.BufferReader(b""), piece_bytes=64)) == [b""]  # an empty file: one empty document
+    # Not text (an image, a compiled object): a NUL byte among the first 8,000, however the reads come; None, once.
+    binary = b"x" * 7000 + b"\x00" + b"y" * 20_000
+    for stream in (pa.BufferReader(binary), _ShortReads(binary)):
+        assert list(text_pieces(stream, piece_bytes=PIECE_BYTES)) == [None]
+    late_nul = b"x" * 8000 + b"\x00"  # as git, what comes later is not looked at
+    assert list(text_pieces(pa.BufferReader(late_nul), piece_bytes=PIECE_BYTES)) == [late_nul]
 
 
 @pytest.mark.cluster

@@ -37,7 +37,8 @@ from train.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer, save_to
 
 TOKENS_PER_PACK = 1 << 24  # documents packed together: a block of ~32 MB of tokens
 PREPARING = ".raywright-dataset"  # written first: a directory holding it is raywright's to replace
-NO_TEXT = "none"  # the split of a row whose text is null (or a JSON line without the column): in neither split
+# The split of a row whose text is null (a JSON line without the column, a file that is not text): in neither split.
+NO_TEXT = "none"
 # The Arrow types of a text column (null: a column in which no row has text), dictionary-encoded or not.
 TEXT_TYPES = (
     pa.types.is_string, pa.types.is_large_string, pa.types.is_string_view,
@@ -153,9 +154,10 @@ def _read_documents(fs: pafs.FileSystem, files: list[str], kind: str, text_colum
 
 def split_documents(source: str, val_fraction: float, text_column: str = "text"):
     """The documents of ``source`` as a materialized Ray Dataset: per document its ``text``, ``num_bytes``,
-    ``digest`` (SHA-256), ``split`` and ``bpe_draw`` (``bpe_sample``'s); a row without text is in split
-    ``NO_TEXT``, to be counted and left out. A split that the hash left empty gets a document
-    (``_fill_an_empty_split``). Returned with its ``split_sums`` of ``num_bytes``, which its callers need too.
+    ``digest`` (SHA-256), ``split`` and ``bpe_draw`` (``bpe_sample``'s); a row without text (a file that is not
+    text) is in split ``NO_TEXT``, left out, and how many is said in one line. A split that the hash left empty gets
+    a document (``_fill_an_empty_split``). Returned with its ``split_sums`` of ``num_bytes``, which its callers need
+    too.
     """
     fs, files, kind = list_source(source)
     try:
@@ -170,7 +172,18 @@ def split_documents(source: str, val_fraction: float, text_column: str = "text")
         if kind == "jsonl":  # Ray Data's error does not name the file, and its fallback parser misplaces the line
             _refuse_bad_json(fs, files)
         raise
-    return _fill_an_empty_split(docs, split_sums(docs, ["num_bytes"]))
+    docs, sums = _fill_an_empty_split(docs, split_sums(docs, ["num_bytes"]))
+    rows, documents = docs.count(), sum(split["documents"] for split in sums.values())
+    if kind == "text":
+        skipped = f"skipped {rows - documents:,} of the {len(files):,} files of {source}: not text (a NUL byte)"
+    else:
+        skipped = f"skipped {rows - documents:,} of {rows:,} rows of {source}: {text_column!r} null or missing"
+    if not sum(split["num_bytes"] for split in sums.values()):
+        reason = f" ({skipped})" if documents < rows else ""
+        raise ConfigError(f"data.source: {source} holds no text to train on{reason}")
+    if documents < rows:
+        print(skipped)
+    return docs, sums
 
 
 def _refuse_bad_json(fs: pafs.FileSystem, files: list[str]) -> None:
@@ -342,9 +355,7 @@ def prepare(data: DataConfig, out: str, seq_len: int) -> Manifest:
     source = data.source or default_source()
     with _ray_data_logs_to_file_only():
         docs, sums = split_documents(source, data.val_fraction, data.text_column)
-        rows, documents = docs.count(), sum(split["documents"] for split in sums.values())
-        if documents < rows:
-            print(f"skipped {rows - documents:,} of {rows:,} rows of {source}: {data.text_column!r} null or missing")
+        documents = sum(split["documents"] for split in sums.values())
         source_sha256 = fingerprint(docs)
         train_bytes = sums["train"]["num_bytes"]
         chosen = make_tokenizer(data.tokenizer, data.vocab_size, docs, train_bytes, data.bpe_train_bytes)

@@ -7,6 +7,9 @@ large file as finely as ``data.val_fraction`` asks, cost an end-of-text token pe
 the default corpus (the largest 0.76 MB) whole. A source of too few files for that (one 1 MB file, as a first
 try often is) is cut finer: see ``piece_bytes``. Ray Data's file reader underneath sizes and schedules the read
 tasks as ``read_binary_files`` does.
+
+A file that is not text (an image, a PDF, a compiled object in a project's directory) is one document of no
+text, which ``train.data`` counts and leaves out: a byte-level model would learn its bytes as the corpus.
 """
 
 from collections.abc import Iterator
@@ -20,6 +23,7 @@ PIECE_BYTES = 1 << 20
 # which is then ~3% of the text or less.
 MIN_DOCUMENTS = 32
 MIN_PIECE_BYTES = 4096  # an end-of-text token every 4 KiB at most
+BINARY_SNIFF_BYTES = 8000  # git's test of a binary file: a NUL byte among its first 8,000
 
 
 def piece_bytes(fs: pafs.FileSystem, files: list[str]) -> int:
@@ -34,11 +38,16 @@ def piece_bytes(fs: pafs.FileSystem, files: list[str]) -> int:
     return max(MIN_PIECE_BYTES, sum(sizes) // MIN_DOCUMENTS)
 
 
-def text_pieces(stream: pa.NativeFile, piece_bytes: int = PIECE_BYTES) -> Iterator[bytes]:
+def text_pieces(stream: pa.NativeFile, piece_bytes: int = PIECE_BYTES) -> Iterator[bytes | None]:
     """The documents of the file open as ``stream``: all of it, or where it is larger than ``piece_bytes``, pieces of
-    at most that size, each cut after its last line end (mid-line only where a piece holds none)."""
+    at most that size, each cut after its last line end (mid-line only where a piece holds none). A file that is
+    not text (a NUL byte among its first ``BINARY_SNIFF_BYTES``, or its first piece's where pieces are smaller: no
+    text encoding but UTF-16's writes one) is one None, read no further."""
     rest, pieces = b"", 0
     while chunk := stream.read(piece_bytes - len(rest)):
+        if not pieces and len(rest) < BINARY_SNIFF_BYTES and b"\0" in chunk[: BINARY_SNIFF_BYTES - len(rest)]:
+            yield None
+            return
         rest += chunk
         if len(rest) == piece_bytes:
             cut = rest.rfind(b"\n") + 1 or piece_bytes
@@ -49,7 +58,8 @@ def text_pieces(stream: pa.NativeFile, piece_bytes: int = PIECE_BYTES) -> Iterat
 
 
 class TextFiles(FileBasedDatasource):
-    """A dataset of one column, ``text`` (bytes): the documents of the files (``text_pieces``)."""
+    """A dataset of one column, ``text`` (bytes; null for a file that is not text): the documents of the files
+    (``text_pieces``)."""
 
     def __init__(self, paths: list[str], filesystem: pafs.FileSystem, piece_bytes: int = PIECE_BYTES):
         super().__init__(paths, filesystem=filesystem)
