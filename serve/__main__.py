@@ -7,6 +7,7 @@ On a cluster, deploy serve/deploy.yaml with ``serve deploy`` instead.
 
 import argparse
 import errno
+import ipaddress
 import os
 import signal
 import socket
@@ -62,6 +63,21 @@ def check_replicas_here(cfg: ServeConfig) -> None:
         cfg.resolved_api_key()
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def open_to_others_warning(host: str, ingress: str, api_key: str) -> str | None:
+    """A warning where the model is served beyond this machine to anyone: no API key, and a ``--host`` that is not a
+    loopback address, or HAProxy's ingress, under which each replica's own port listens on every interface."""
+    if api_key:
+        return None
+    if ingress == "haproxy":
+        where = "under HAProxy's ingress each replica's port listens on all interfaces"
+    elif not all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(host, None)):
+        where = f"--host {host} listens beyond this machine"
+    else:
+        return None
+    key = "no API key is set (api_key_file or RAYWRIGHT_API_KEY)"
+    return f"warning: {where}, and {key}: anyone who can reach it can use the model"
 
 
 def _interrupt(signum: int, frame) -> None:
@@ -140,8 +156,11 @@ def main(argv: list[str] | None = None) -> int:
         load_tokenizer(location)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"checkpoint: {exc}") from None
-    if started_ray:
+    if started_ray:  # the replicas of a Ray started here read the key as this command does
         check_replicas_here(cfg)
+        warning = open_to_others_warning(args.host, args.ingress, cfg.resolved_api_key())
+        if warning:
+            print(warning, file=sys.stderr)
 
     import ray
     from ray import serve

@@ -25,7 +25,7 @@ from hypothesis_jsonschema import from_schema
 from ray import serve
 from ray._common.test_utils import wait_for_condition
 
-from serve.__main__ import check_can_listen
+from serve.__main__ import check_can_listen, open_to_others_warning
 from serve.__main__ import main as serve_main
 from serve.app import build_app, deployment_for
 from serve.config import serve_config_from_dict
@@ -288,8 +288,11 @@ def test_python_m_serve_serves_the_openai_client(memorized_export, own_ray_env, 
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)  # whatever it left in its group
-    assert returncode == 0 and time.monotonic() - stopping < 25, (returncode, process.stdout.read()[-3000:])
+    output = process.stdout.read()
+    assert returncode == 0 and time.monotonic() - stopping < 25, (returncode, output[-3000:])
     check_can_listen("127.0.0.1", port, "--port")
+    # No API key: said where the model is open to other machines (HAProxy's replica ports), not on 127.0.0.1 alone.
+    assert ("no API key is set" in output) == (ingress == "haproxy"), output[-3000:]
 
 
 def test_python_m_serve_stopped_while_its_app_deploys_shuts_down_cleanly(memorized_export, own_ray_env):
@@ -578,3 +581,13 @@ def test_auto_precision_is_bf16_on_a_gpu_and_int8_on_a_cpu():
     auto = serve_config_from_dict({"checkpoint": "export"})
     assert (auto.resolved_precision("cuda"), auto.resolved_precision("cpu")) == ("bf16", "int8")
     assert serve_config_from_dict({"checkpoint": "export", "precision": "fp32"}).resolved_precision("cuda") == "fp32"
+
+
+@pytest.mark.unit
+def test_a_model_served_beyond_this_machine_without_an_api_key_is_warned_of():
+    for loopback in ("127.0.0.1", "::1", "localhost"):
+        assert open_to_others_warning(loopback, "proxy", "") is None
+    everywhere = open_to_others_warning("0.0.0.0", "proxy", "")
+    assert "--host 0.0.0.0 listens beyond this machine, and no API key" in everywhere
+    assert "replica's port listens on all interfaces" in open_to_others_warning("127.0.0.1", "haproxy", "")
+    assert open_to_others_warning("0.0.0.0", "haproxy", "s3cret") is None
