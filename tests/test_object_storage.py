@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import requests
 from ray import serve
+from ray._common.test_utils import wait_for_condition
 
 from serve.app import build_app
-from tests.conftest import free_port
+from tests.conftest import free_port, training_worker_pids
 from train import checkpoint, storage
 from train.export import load_exported
 from train.lease import LEASE
@@ -77,6 +78,9 @@ def test_a_run_in_a_bucket_survives_its_driver_killed_resumes_at_another_size_an
             time.sleep(0.5)
         first.send_signal(signal.SIGKILL)
         first.wait()
+    # Its workers outlive it until Ray ends the dead driver's actors, and once finished a checkpoint meanwhile (the
+    # export below then took that one): the newest complete checkpoint is known once they are gone.
+    wait_for_condition(lambda: not training_worker_pids(), timeout=60)
     killed_at = checkpoint.latest_complete(run_uri)
     assert killed_at is not None and killed_at.world_size == 2, (tmp_path / "first.log").read_text()[-3000:]
     assert killed_at.step < MAX_STEPS
