@@ -163,11 +163,10 @@ def check_resume(cfg: TrainConfig) -> list[str]:
     saved, current = _settings(latest.config), _settings(cfg.to_dict())
     # A checkpoint records what its run's autos became; an auto here picks again (and says what) as the run starts,
     # but an auto stage keeps the checkpoint's.
-    autos = [key for key, value in current.items() if value == "auto"]
     differ = {
         key: f"{key} {saved[key]!r} -> {current[key]!r}"
         for key in saved.keys() & current.keys()  # a setting newer than the checkpoint's version is no change
-        if saved[key] != current[key] and key not in autos
+        if saved[key] != current[key] and current[key] != "auto"
     }
     refused = [differ[key] for key in RESUME_MUST_MATCH if key in differ]
     data_path = dataset_path(cfg)
