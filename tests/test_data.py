@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -273,12 +274,44 @@ def test_a_node_local_copy_goes_when_its_dataset_is_deleted_or_prepared_again(ti
     manifest = json.loads((again / "manifest.json").read_text())
     (again / "manifest.json").write_text(json.dumps({**manifest, "documents": manifest["documents"] + 1}))
 
-    load_split(str(new), "train")  # building a copy drops the copies of the datasets that are gone
+    load_split(str(new), "train")  # building a copy drops the copies of the datasets that are gone, in the background
 
-    assert built_from() == sorted(map(str, (kept, new)))
+    wait_for_condition(lambda: built_from() == sorted(map(str, (kept, new))), timeout=30)
     assert np.array_equal(reading[deleted][:4], reading[kept][:4])  # a worker reading a dropped copy reads on
     assert np.array_equal(load_split(str(again), "train")[:], reading[kept][:])  # rebuilt for its new manifest
     assert built_from() == sorted(map(str, (kept, again, new)))
+
+
+@pytest.mark.cluster
+def test_a_copy_does_not_wait_for_a_dataset_whose_storage_does_not_answer(tiny_dataset, tmp_path, monkeypatch):
+    """The drop of a gone dataset's copy asks each copied dataset's storage: one that does not answer (a bucket
+    of an earlier job that cannot be reached, retried for seconds) must not hold up the copy a run waits for."""
+    node_tmp = tmp_path / "node-tmp"
+    node_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(node_tmp))
+    silent, deleted, new = (shutil.copytree(tiny_dataset, tmp_path / name) for name in ("silent", "del", "new"))
+    first_rows = load_split(str(silent), "train")[:4]
+    load_split(str(deleted), "train")
+    shutil.rmtree(deleted)
+    (silent / "manifest.json").unlink()
+    os.mkfifo(silent / "manifest.json")  # reading it blocks until something writes it, as storage not answering
+    copies = node_tmp / "raywright-data"
+    answered = threading.Event()
+
+    def answer() -> None:  # with nothing readable: its copy stays
+        answered.set()
+        with open(silent / "manifest.json", "wb"):
+            pass
+
+    storage_answers_late = threading.Timer(60, answer)  # where the copy waited for it, it ends the wait
+    storage_answers_late.start()
+    assert np.array_equal(load_split(str(new), "train")[:4], first_rows)
+    assert not answered.is_set(), "the copy waited for the storage of a dataset it does not copy"
+    storage_answers_late.cancel()
+    answer()
+    wait_for_condition(lambda: len(list(copies.iterdir())) == 2, timeout=30)
+    built_from = {json.loads((copy / COPY_SOURCE).read_text())["path"] for copy in copies.iterdir()}
+    assert built_from == {str(silent), str(new)}
 
 
 @pytest.mark.cluster

@@ -12,6 +12,7 @@ import fcntl
 import json
 import os
 import shutil
+import threading
 
 import numpy as np
 import pyarrow as pa
@@ -48,8 +49,10 @@ def copy_to_this_node(path: str) -> None:
 def _node_local_split(path: str, split: str, manifest: Manifest) -> str:
     """The split's tokens as one flat uint16 file on this node, keyed by the dataset's location and identity.
 
-    Starting the copy of a dataset first drops the copies whose dataset is gone (deleted, or prepared
-    again): each is as large as its dataset's tokens, and nothing else would ever remove them.
+    Starting the copy of a dataset also drops the copies whose dataset is gone (deleted, or prepared
+    again): each is as large as its dataset's tokens, and nothing else would ever remove them. It does so in
+    the background: asking another dataset's storage whether it is gone may take seconds (a bucket that cannot
+    be reached, retried), and no worker should wait for storage it does not train from.
     """
     source, identity = storage.absolute(path), manifest.sha256
     cache = storage.node_local_dir("data", f"{source}\n{identity}")
@@ -59,9 +62,9 @@ def _node_local_split(path: str, split: str, manifest: Manifest) -> str:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the workers of a node build it once, the others wait for it
         record = os.path.join(cache, COPY_SOURCE)
         if not os.path.exists(record):  # the dataset's first split on this node: once per dataset, not per split
-            _drop_orphaned_copies(os.path.dirname(cache))
             with open(record, "w") as f:
                 json.dump({"path": source, "manifest_sha256": identity}, f)
+            threading.Thread(target=_drop_orphaned_copies, args=(os.path.dirname(cache),), daemon=True).start()
         if not os.path.exists(local):
             # One name, as the lock makes this the node's only writer: what one killed mid-copy left goes first,
             # rather than staying beside the next copy, as large as the split.
@@ -112,7 +115,8 @@ def _drop_orphaned_copies(copies: str) -> None:
 
     A copy another process is building (its lock held) is left, as is one whose dataset cannot be reached
     now (storage down, credentials expired): it may come back. A worker still reading a dropped copy
-    keeps reading it, through the file it has open.
+    keeps reading it, through the file it has open. A copy's record goes last, so that a drop cut short (its
+    process ended) leaves a copy the next sweep still drops.
     """
     for name in os.listdir(copies):
         cache = os.path.join(copies, name)
@@ -126,4 +130,7 @@ def _drop_orphaned_copies(copies: str) -> None:
             continue
         with contextlib.suppress(OSError), open(os.path.join(cache, ".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while another process builds it
+            for file in os.listdir(cache):
+                if file != COPY_SOURCE:
+                    os.unlink(os.path.join(cache, file))
             shutil.rmtree(cache, ignore_errors=True)
