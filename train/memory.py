@@ -30,8 +30,6 @@ import torch
 import torch.distributed as dist
 from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
 from train.batching import failing_world_sizes
 from train.config import TrainConfig, config_from_dict
@@ -206,6 +204,11 @@ def measured_activation_bytes(cfg: TrainConfig, micro_batch: int, *, compute: bo
     The model runs on torch's fake tensors (shapes and dtypes, no values) unless ``compute``: the same bytes
     (tests/test_memory.py), without the arithmetic, which in bf16 on a CPU without bf16 instructions takes minutes.
     """
+    # Imported here, not with the module: torch's tracker loads torch._dynamo and inductor (~1 s), which every
+    # training worker importing this module would otherwise pay at each (re)start.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
     with contextlib.nullcontext() if compute else FakeTensorMode():
         model, tokens = model_and_batch(cfg, micro_batch)
         for p in model.parameters():
