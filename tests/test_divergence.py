@@ -53,3 +53,24 @@ def test_the_weights_are_checked_before_each_checkpoint(ray_session, process_gro
     train_loop(args, reports.append, preemption_info=lambda: None)
     assert reports[-1]["step"] == 2 and "the weights after step 2 are not finite" in reports[-1]["diverged"]
     assert_newest_checkpoint_is_finite_and_named(run_uri(cfg), reports[-1]["diverged"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_fp16_run_reports_its_loss_scale_and_ends_at_once_where_no_scale_keeps_its_gradients_finite(tiny_config):
+    """fp16 skips a step whose gradients overflow and halves its loss scale: the weights DeepSpeed keeps stay those
+    of the last good step, and DeepSpeed raises once the scale is at its lowest (~18 overflowing steps from 2^16,
+    before the loss report at step 40). The run ends there, diverged, rather than restarting to diverge again."""
+    fp16 = ["deepspeed.precision=fp16", "scaling.use_gpu=true", "scaling.num_workers=1"]
+    healthy = tiny_config(*fp16, "optim.max_steps=10", "run.log_every=5", "run.name=fp16")
+    run_training(healthy)
+    scales = [(m["loss_scale"], m["skipped_steps"]) for m in read_metrics(run_uri(healthy)) if "loss" in m]
+    assert len(scales) == 3 and all(0 < scale <= 2**16 and 0 <= skipped <= 10 for scale, skipped in scales)
+
+    no_checks_before_40 = ["checkpoint.every_steps=0", "run.log_every=40", "run.eval_every=40"]
+    cfg = tiny_config(*fp16, *DIVERGING, "optim.max_steps=40", *no_checks_before_40, "run.name=overflows")
+    with pytest.raises(DivergedError, match=r"the fp16 gradients of step \d+ overflow at the lowest loss scale"):
+        run_training(cfg)
+    run = run_uri(cfg)
+    assert len(read_summary(run).world_size_timeline) == 1  # not restarted
+    assert "overflow at the lowest loss scale" in read_metrics(run)[-1]["diverged"]

@@ -41,3 +41,11 @@ def test_a_report_of_a_checkpoint_written_in_the_background_says_which_one_count
     assert format_progress(saved, 100) == "step 51/100 | checkpoint step_00000050 saved (0.2 s)"
     failed = {"step": 12, "checkpoint_failed": "s3://bucket/run/checkpoints/step_00000010"}
     assert format_progress(failed, 100) == "step 12/100 | checkpoint step_00000010 failed"
+
+
+def test_an_fp16_report_says_its_loss_scale_and_the_steps_skipped_for_overflowing():
+    report = {"step": 40, "loss": 3.25, "lr": 3e-4, "tokens_per_s": 1000.0, "mfu": None, "memory_gb": 1.0}
+    line = "step 40/100 | loss 3.2500 | lr 3.00e-04 | 1,000 tok/s | mfu n/a | mem 1.00 GB"
+    assert format_progress(report, 100) == line
+    fp16 = {**report, "loss_scale": 16384.0, "skipped_steps": 3}
+    assert format_progress(fp16, 100) == f"{line} | loss scale 16384, 3 steps skipped"

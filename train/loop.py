@@ -50,6 +50,9 @@ from train.timeline import CheckpointEvent, Startup, describe_resize
 from train.tokenizer import load_tokenizer
 
 SAMPLE_LOG = "samples.jsonl"
+# What DeepSpeed's fp16 loss scaler raises (a bare Exception) where a step's gradients overflow at its lowest
+# scale: every step since overflowed, and was skipped (deepspeed/runtime/fp16/loss_scaler.py).
+LOSS_SCALE_AT_MINIMUM = "loss scale already at minimum"
 
 
 def _to_batch(rows: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -334,7 +337,13 @@ class Trainer:
             with record_function("backward"):
                 engine.backward(loss)
             with record_function("optimizer_step"):
-                engine.step()
+                try:
+                    engine.step()
+                except Exception as exc:  # every rank at once: the overflow it found is all-reduced
+                    if LOSS_SCALE_AT_MINIMUM not in str(exc):
+                        raise
+                    overflowed = f"the fp16 gradients of step {step + 1} overflow at the lowest loss scale"
+                    raise self._diverged(overflowed) from None
             step_loss += loss.detach() / self.grad_accum
         self.step += 1
         return np.concatenate(my_rows), step_loss, time.time() - start
@@ -398,7 +407,7 @@ class Trainer:
             if warning:
                 print(warning, flush=True)
         peak = self.peak
-        return {
+        metrics = {
             "step": self.step,
             "loss": loss,
             "lr": lr_at(self.step - 1, cfg.optim),
@@ -409,6 +418,10 @@ class Trainer:
             "samples_seen": self.step * cfg.optim.global_batch_size,
             "world_size": world,
         }
+        if cfg.deepspeed.precision == "fp16":  # a step whose gradients overflow is skipped, and the scale halved
+            metrics["loss_scale"] = float(self.engine.optimizer.loss_scale)
+            metrics["skipped_steps"] = self.engine.skipped_steps  # in the run, restored with its checkpoints
+        return metrics
 
     def _notice_and_view(self, step_seconds: float) -> tuple[Notice | None, Rank0View | None]:
         """Every few seconds' worth of steps (the same steps on every rank, which the agreement of Ray's

@@ -51,6 +51,8 @@ def format_progress(m: dict[str, Any], max_steps: int) -> str:
     if "loss" in m:
         parts += [f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}", f"{m['tokens_per_s']:,.0f} tok/s"]
         parts += [f"mfu {m['mfu']:.1%}" if m.get("mfu") is not None else "mfu n/a", f"mem {m['memory_gb']:.2f} GB"]
+    if "loss_scale" in m:
+        parts.append(f"loss scale {m['loss_scale']:g}, {m['skipped_steps']} steps skipped")
     if "val_loss" in m:
         parts.append(f"val_loss {m['val_loss']:.4f} (ppl {m['val_perplexity']:.2f}, {m['val_bpb']:.3f} bits/byte)")
     # A checkpoint written in the background counts at a later step's report, often one of its own.
