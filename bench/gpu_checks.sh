@@ -52,7 +52,8 @@ run() {  # run NAME COMMAND...: the command's output to $out/NAME.log, its last 
 part() {  # part NAME: one of the checks
 case $1 in
   # Only the files that hold gpu tests: the others import what the GPU machine lacks (optuna, moto, ...).
-  tests) run gpu_tests python -m pytest -m gpu -v -rf --durations=10 --failures-at-once -p no:cacheprovider tests/test_training.py tests/test_serve_engine.py ;;
+  tests) run gpu_tests python -m pytest -m gpu -v -rf --durations=10 --failures-at-once -p no:cacheprovider tests/test_training.py \
+    tests/test_divergence.py tests/test_serve_engine.py ;;
   tests-serve) run gpu_serve_tests python -m pytest -m gpu -v -rf --durations=10 -p no:cacheprovider tests/test_serve_engine.py ;;
   # bf16 (the GPU default) alone, then the quantized precisions: each precision compiles its decode step.
   p7) run p7 python bench/p7_serving.py --seconds 10 --profile --precisions bf16 ;;
