@@ -204,8 +204,8 @@ def measured_activation_bytes(cfg: TrainConfig, micro_batch: int, *, compute: bo
     The model runs on torch's fake tensors (shapes and dtypes, no values) unless ``compute``: the same bytes
     (tests/test_memory.py), without the arithmetic, which in bf16 on a CPU without bf16 instructions takes minutes.
     """
-    # Imported here, not with the module: torch's tracker loads torch._dynamo and inductor (~1 s), which every
-    # training worker importing this module would otherwise pay at each (re)start.
+    # Imported here, not with the module: torch's tracker loads torch._dynamo and inductor (~1 s), which the driver
+    # of every run, importing this module for the memory plan, would otherwise pay for what only P2 and tests use.
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
