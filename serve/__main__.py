@@ -46,10 +46,10 @@ def check_can_listen(host: str, port: int, setting: str) -> None:
         raise ConfigError(f"{setting}: cannot listen on {host}:{port}: {exc.strerror}") from None
 
 
-def check_replicas_here(cfg: ServeConfig) -> None:
+def check_replicas_here(cfg: ServeConfig) -> str:
     """What a replica on this machine (a local Ray's) would fail on, named before Ray starts rather than in pages
     of Serve's tracebacks: no GPU for ``device: cuda`` (it would wait for one forever), a precision the device
-    cannot run, an API key file that cannot be read."""
+    cannot run, an API key file that cannot be read. Returns the API key the replicas will require ("" for none)."""
     import torch
 
     from serve.precision import check_precision
@@ -60,7 +60,7 @@ def check_replicas_here(cfg: ServeConfig) -> None:
     device = cfg.resolved_device(cuda)
     try:
         check_precision(cfg.resolved_precision(device), device)
-        cfg.resolved_api_key()
+        return cfg.resolved_api_key()
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -157,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"checkpoint: {exc}") from None
     if started_ray:  # the replicas of a Ray started here read the key as this command does
-        check_replicas_here(cfg)
-        warning = open_to_others_warning(args.host, args.ingress, cfg.resolved_api_key())
+        api_key = check_replicas_here(cfg)
+        warning = open_to_others_warning(args.host, args.ingress, api_key)
         if warning:
             print(warning, file=sys.stderr)
 
