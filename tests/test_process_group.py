@@ -1,11 +1,17 @@
-"""The one-process group of a DeepSpeed engine outside Ray Train (a sweep trial, an export) leaves nothing behind."""
+"""The one-process group of a DeepSpeed engine outside Ray Train (a sweep trial, an export) leaves nothing behind;
+a port chosen for another process to bind later is one that no outgoing connection is given meanwhile."""
 
 import ast
 import os
+import random
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+from train.process_group import LINUX_EPHEMERAL_PORTS, free_port
 
 # In a process of its own: the test process may hold the session's group already.
 SCRIPT = """
@@ -30,3 +36,19 @@ def test_the_group_and_its_launcher_variables_are_gone_after_the_block():
     left, initialized = done.stdout.strip().splitlines()[-1].rsplit(" ", 1)
     expected = {"MASTER_ADDR": None, "MASTER_PORT": "the user's", "RANK": None, "WORLD_SIZE": None, "LOCAL_RANK": None}
     assert ast.literal_eval(left) == expected and initialized == "False"
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(not Path(LINUX_EPHEMERAL_PORTS).exists(), reason="reads Linux's ephemeral port range")
+def test_a_chosen_port_is_outside_the_range_the_kernel_gives_outgoing_connections():
+    """A Ray starting up makes many connections: one chosen from that range was taken before HAProxy bound it."""
+    first, last = map(int, Path(LINUX_EPHEMERAL_PORTS).read_text().split())
+    chosen = [free_port() for _ in range(20)]
+    assert not [port for port in chosen if first <= port <= last], chosen
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", chosen[0]))  # and free
+    # Processes that seeded Python's random module alike (a run's seed) do not choose alike.
+    random.seed(0)
+    one = [free_port() for _ in range(3)]
+    random.seed(0)
+    assert [free_port() for _ in range(3)] != one

@@ -4,20 +4,50 @@ and the environment that a Ray started here needs."""
 
 import contextlib
 import os
+import random
 import socket
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
+# Where a chosen port is looked for: above Ray's worker ports (10002-19999 by default) and below the ports the kernel
+# gives outgoing connections (its ephemeral range), so that no connection takes it between its choice here and its
+# bind seconds later in another process. One chosen from the ephemeral range (a bind to port 0) was taken so: a Ray
+# starting up makes many connections, and HAProxy, started 14 s after its port was chosen, could not bind it.
+CHOSEN_PORTS_FROM = 20000
+LINUX_EPHEMERAL_PORTS = "/proc/sys/net/ipv4/ip_local_port_range"
 
-def free_port(prefer: int = 0) -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now: ``prefer`` where it is free, else any."""
+
+def _ephemeral_ports_start() -> int:
+    try:
+        with open(LINUX_EPHEMERAL_PORTS) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default, below macOS's and IANA's 49152
+
+
+def _can_bind(port: int) -> bool:
     with socket.socket() as sock:
         try:
-            sock.bind(("127.0.0.1", prefer))
+            sock.bind(("127.0.0.1", port))
         except OSError:
-            sock.bind(("127.0.0.1", 0))
+            return False
+        return True
+
+
+def free_port(prefer: int = 0) -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now: ``prefer`` where it is free, else one that outgoing
+    connections are not given meanwhile (any free one where the machine leaves no such port)."""
+    if prefer and _can_bind(prefer):
+        return prefer
+    candidates = range(CHOSEN_PORTS_FROM, _ephemeral_ports_start())
+    # Not the random module's shared state, which a run seeds: two processes seeded alike would pick alike.
+    for port in random.SystemRandom().sample(candidates, min(len(candidates), 100)):
+        if _can_bind(port):
+            return port
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
