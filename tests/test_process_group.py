@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from train.process_group import LINUX_EPHEMERAL_PORTS, free_port
+from train.process_group import CHOSEN_PORTS_FROM, LINUX_EPHEMERAL_PORTS, free_port
 
 # In a process of its own: the test process may hold the session's group already.
 SCRIPT = """
@@ -43,6 +43,8 @@ def test_the_group_and_its_launcher_variables_are_gone_after_the_block():
 def test_a_chosen_port_is_outside_the_range_the_kernel_gives_outgoing_connections():
     """A Ray starting up makes many connections: one chosen from that range was taken before HAProxy bound it."""
     first, last = map(int, Path(LINUX_EPHEMERAL_PORTS).read_text().split())
+    if first <= CHOSEN_PORTS_FROM:
+        pytest.skip(f"this machine gives outgoing connections every port from {first}")
     chosen = [free_port() for _ in range(20)]
     assert not [port for port in chosen if first <= port <= last], chosen
     with socket.socket() as sock:
