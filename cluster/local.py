@@ -54,11 +54,11 @@ def up(state_dir: Path = STATE_DIR) -> TwinState:
     import ray
 
     # Imports torch: only the command that starts a twin pays for it.
-    from train.process_group import free_port, own_state_api_env
+    from train.process_group import free_ports, own_state_api_env
 
     state_dir.mkdir(parents=True, exist_ok=True)
     ip = ray.util.get_node_ip_address()
-    gcs_port, dashboard_port = free_port(), free_port()
+    gcs_port, dashboard_port, agent_port, client_port, metrics_port, runtime_env_port = free_ports(6)
     config = yaml.safe_load(TWIN_CONFIG.read_text())
     config["provider"]["gcs_address"] = f"{ip}:{gcs_port}"
     autoscaler_config = state_dir / "autoscaler.yaml"
@@ -69,8 +69,8 @@ def up(state_dir: Path = STATE_DIR) -> TwinState:
         "ray", "start", "--head", f"--port={gcs_port}", "--num-cpus=0",
         f"--autoscaling-config={autoscaler_config}", f"--temp-dir={temp_dir}",
         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
-        f"--dashboard-agent-listen-port={free_port()}", f"--ray-client-server-port={free_port()}",
-        f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+        f"--dashboard-agent-listen-port={agent_port}", f"--ray-client-server-port={client_port}",
+        f"--metrics-export-port={metrics_port}", f"--runtime-env-agent-port={runtime_env_port}",
     ]  # fmt: skip
     env = {**os.environ, "RAY_FAKE_CLUSTER": "1", **own_state_api_env(dashboard_port)}
     try:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from train.process_group import CHOSEN_PORTS_FROM, LINUX_EPHEMERAL_PORTS, free_port
+from train import process_group
+from train.process_group import CHOSEN_PORTS_FROM, LINUX_EPHEMERAL_PORTS, free_port, free_ports
 
 # In a process of its own: the test process may hold the session's group already.
 SCRIPT = """
@@ -45,7 +46,8 @@ def test_a_chosen_port_is_outside_the_range_the_kernel_gives_outgoing_connection
     first, last = map(int, Path(LINUX_EPHEMERAL_PORTS).read_text().split())
     if first <= CHOSEN_PORTS_FROM:
         pytest.skip(f"this machine gives outgoing connections every port from {first}")
-    chosen = [free_port() for _ in range(20)]
+    chosen = free_ports(50)
+    assert len(set(chosen)) == 50, chosen  # different ports, for the processes of one Ray
     assert not [port for port in chosen if first <= port <= last], chosen
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", chosen[0]))  # and free
@@ -54,3 +56,10 @@ def test_a_chosen_port_is_outside_the_range_the_kernel_gives_outgoing_connection
     one = [free_port() for _ in range(3)]
     random.seed(0)
     assert [free_port() for _ in range(3)] != one
+
+
+@pytest.mark.unit
+def test_a_machine_that_leaves_no_port_outside_its_ephemeral_range_still_gets_different_free_ports(monkeypatch):
+    monkeypatch.setattr(process_group, "CHOSEN_PORTS_FROM", 65536)
+    chosen = free_ports(5)
+    assert len(set(chosen)) == 5 and all(0 < port < 65536 for port in chosen), chosen

@@ -30,6 +30,7 @@ from serve.__main__ import main as serve_main
 from serve.app import build_app, deployment_for
 from serve.config import serve_config_from_dict
 from tests.conftest import MEMORIZED_TEXT, free_port
+from train.process_group import free_ports
 from train.schema import ConfigError
 
 pytestmark = pytest.mark.cluster
@@ -246,9 +247,9 @@ def test_python_m_serve_serves_the_openai_client(memorized_export, own_ray_env, 
     whole process group, Ray's processes included (``kill -- -PGID``), behind HAProxy. Before, Serve's graceful
     shutdown waited out its 30 s timeout for either behind HAProxy (its replica stayed up 30 s for load balancers
     to deregister it), and the group's signal left HAProxy running, holding the port."""
-    port = free_port()
+    port, stats_port, metrics_port = free_ports(3)
     # HAProxy's stats and metrics ports are fixed unless set: free ones, so that nothing else on this machine matters.
-    own_ray_env.update(RAY_SERVE_HAPROXY_STATS_PORT=str(free_port()), RAY_SERVE_HAPROXY_METRICS_PORT=str(free_port()))
+    own_ray_env.update(RAY_SERVE_HAPROXY_STATS_PORT=str(stats_port), RAY_SERVE_HAPROXY_METRICS_PORT=str(metrics_port))
     command = [sys.executable, "-m", "serve", "--checkpoint", memorized_export, "--port", str(port)]
     command += ["--ingress", ingress]
     process = subprocess.Popen(

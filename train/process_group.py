@@ -36,19 +36,30 @@ def _can_bind(port: int) -> bool:
         return True
 
 
-def free_port(prefer: int = 0) -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now: ``prefer`` where it is free, else one that outgoing
-    connections are not given meanwhile (any free one where the machine leaves no such port)."""
-    if prefer and _can_bind(prefer):
-        return prefer
+def free_ports(count: int) -> list[int]:
+    """``count`` different TCP ports on 127.0.0.1 that nothing listens on now and that outgoing connections are not
+    given meanwhile (where the machine leaves no such port, any free ones)."""
+    ports = []
     candidates = range(CHOSEN_PORTS_FROM, _ephemeral_ports_start())
     # Not the random module's shared state, which a run seeds: two processes seeded alike would pick alike.
-    for port in random.SystemRandom().sample(candidates, min(len(candidates), 100)):
+    for port in random.SystemRandom().sample(candidates, min(len(candidates), 100 + count)):
+        if len(ports) == count:
+            break
         if _can_bind(port):
-            return port
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+            ports.append(port)
+    with contextlib.ExitStack() as held:  # each held until all are chosen, so that the kernel gives different ones
+        while len(ports) < count:
+            sock = held.enter_context(socket.socket())
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+    return ports
+
+
+def free_port(prefer: int = 0) -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now: ``prefer`` where it is free, else one of ``free_ports``."""
+    if prefer and _can_bind(prefer):
+        return prefer
+    return free_ports(1)[0]
 
 
 def own_state_api_env(dashboard_port: int) -> dict[str, str]:
