@@ -29,8 +29,8 @@ from serve.__main__ import check_can_listen, open_to_others_warning
 from serve.__main__ import main as serve_main
 from serve.app import build_app, deployment_for
 from serve.config import serve_config_from_dict
-from tests.conftest import MEMORIZED_TEXT, free_port
-from train.process_group import free_ports
+from tests.conftest import MEMORIZED_TEXT
+from train.process_group import free_port, free_ports
 from train.schema import ConfigError
 
 pytestmark = pytest.mark.cluster
