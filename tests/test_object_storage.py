@@ -16,11 +16,12 @@ from ray import serve
 from ray._common.test_utils import wait_for_condition
 
 from serve.app import build_app
-from tests.conftest import free_port, training_worker_pids
+from tests.conftest import training_worker_pids
 from train import checkpoint, storage
 from train.export import load_exported
 from train.lease import LEASE
 from train.metrics import METRICS, TENSORBOARD, read_metrics
+from train.process_group import free_port
 from train.timeline import read_summary
 
 pytestmark = pytest.mark.cluster
