@@ -3,6 +3,7 @@ trial, the export of a checkpoint): Ray Train sets up the group of its workers i
 and the environment that a Ray started here needs."""
 
 import contextlib
+import itertools
 import os
 import random
 import socket
@@ -39,14 +40,10 @@ def _can_bind(port: int) -> bool:
 def free_ports(count: int) -> list[int]:
     """``count`` different TCP ports on 127.0.0.1 that nothing listens on now and that outgoing connections are not
     given meanwhile (where the machine leaves no such port, any free ones)."""
-    ports = []
     candidates = range(CHOSEN_PORTS_FROM, _ephemeral_ports_start())
     # Not the random module's shared state, which a run seeds: two processes seeded alike would pick alike.
-    for port in random.SystemRandom().sample(candidates, min(len(candidates), 100 + count)):
-        if len(ports) == count:
-            break
-        if _can_bind(port):
-            ports.append(port)
+    drawn = random.SystemRandom().sample(candidates, min(len(candidates), 100 + count))
+    ports = list(itertools.islice(filter(_can_bind, drawn), count))
     with contextlib.ExitStack() as held:  # each held until all are chosen, so that the kernel gives different ones
         while len(ports) < count:
             sock = held.enter_context(socket.socket())
