@@ -10,6 +10,9 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import ray
 import torch
@@ -20,6 +23,7 @@ from ray.cluster_utils import Cluster
 from train import checkpoint
 from train.config import DataConfig, TrainConfig, load_config
 from train.export import save_export
+from train.manifest import Manifest, SplitShards, write_manifest
 from train.model import GPT
 from train.model_config import ModelConfig
 from train.process_group import free_port, own_state_api_env
@@ -222,6 +226,37 @@ def run_record(cfg: TrainConfig, world_size: int = 1) -> checkpoint.RunRecord:
         tokenizer=ByteTokenizer().spec(),
         data_manifest_sha256="0" * 64,
     )
+
+
+def a_manifest() -> Manifest:
+    """The manifest of a dataset of the tiny recipe's sequence length: 200 + 83 train and 7 val sequences."""
+    return Manifest(
+        source="corpus/**/*.txt",
+        source_sha256="ab" * 32,
+        documents=40,
+        val_fraction=0.02,
+        tokenizer=ByteTokenizer().spec(),
+        tokens_per_byte=1.0010673782521682,
+        seq_len=128,
+        train=SplitShards(shards=["train/0.parquet", "train/1.parquet"], sequences=283),
+        val=SplitShards(shards=["val/0.parquet"], sequences=7),
+    )
+
+
+A_MANIFESTS_SHARD_ROWS = {"train/0.parquet": 200, "train/1.parquet": 83, "val/0.parquet": 7}
+
+
+def write_a_prepared_dataset(path: Path) -> Manifest:
+    """``a_manifest``'s dataset at ``path``, without Ray: its shards (zero tokens, as ``prepare`` types them), then
+    the manifest."""
+    manifest = a_manifest()
+    row = pa.list_(pa.uint16(), manifest.seq_len + 1)
+    for shard, rows in A_MANIFESTS_SHARD_ROWS.items():
+        (path / shard).parent.mkdir(parents=True, exist_ok=True)
+        tokens = pa.array(np.zeros((rows, manifest.seq_len + 1), np.uint16).tolist(), row)
+        pq.write_table(pa.table({"tokens": tokens}), path / shard)
+    write_manifest(str(path), manifest)
+    return manifest
 
 
 def metadata_json(step: int, files: dict[str, int]) -> dict:

@@ -19,7 +19,7 @@ import pytest
 import safetensors.numpy
 import torch
 
-from tests.conftest import metadata_json
+from tests.conftest import metadata_json, write_a_prepared_dataset
 from train.config import load_config
 from train.hf_gpt2 import hf_config
 from train.model_config import ModelConfig
@@ -46,6 +46,7 @@ CASES = [
     ("train --set data.source={tmp}/no-such-corpus", "data.source"),
     ("train --set data.path={tmp}/users-own", "data.path"),
     ("train --set data.path={tmp}/damaged", "damaged/manifest.json is not a manifest this raywright reads (source:"),
+    ("train --set data.path={tmp}/cut-shard", "cut-shard/train/1.parquet: a shard of the prepared dataset that cannot"),
     ("train --set run.storage_path=s3://raywright-no-such-bucket/runs", "run.storage_path"),
     # In ~20 s, not the 15 minutes that GCS's client retries by default.
     (
@@ -129,6 +130,8 @@ def answers(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     (tmp / "owned" / "tiny" / "lease.json").write_text(json.dumps(owner))  # a live driver of run "tiny"
     (tmp / "damaged").mkdir()  # a manifest edited by hand
     (tmp / "damaged" / "manifest.json").write_text(json.dumps({"seq_len": 128, "train": {"sequences": 283}}))
+    cut = write_a_prepared_dataset(tmp / "cut-shard").train.shards[1]  # cut short since it was prepared
+    (tmp / "cut-shard" / cut).write_bytes((tmp / "cut-shard" / cut).read_bytes()[:100])
     (tmp / "users-own").mkdir()
     (tmp / "users-own" / "notes.txt").write_text("mine")
     # Object storage that cannot be reached (a closed port) and no instance metadata to ask for credentials.

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from train import storage
-from train.manifest import SPLITS, Manifest, load_manifest, prepared_manifest
+from train.manifest import SPLITS, Manifest, load_manifest, prepared_manifest, unreadable_shard
 from train.split_rows import SplitRows
 
 COPY_SOURCE = "source.json"  # in a node-local copy of a split: the dataset it was built from
@@ -104,10 +104,7 @@ def _write_tokens(path: str, shards: list[str], out) -> None:
                 for batch in pq.ParquetFile(source_file).iter_batches(batch_size=8192, columns=["tokens"]):
                     out.write(batch.column("tokens").flatten().to_numpy().astype(np.uint16, copy=False).tobytes())
             except pa.ArrowInvalid as exc:  # damaged data (a copy cut short), not storage that cannot be reached
-                raise ValueError(
-                    f"{storage.join(path, shard)}: a shard of the prepared dataset that cannot be read ({exc}); "
-                    f"prepare the dataset again (delete {path}, or give another data.path)"
-                ) from None
+                raise ValueError(unreadable_shard(path, shard, str(exc))) from None
 
 
 def _drop_orphaned_copies(copies: str) -> None:

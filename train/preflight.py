@@ -14,7 +14,7 @@ from train import storage
 from train.config import TrainConfig
 from train.data import dataset_path, default_source, list_source, refuse_foreign
 from train.ds_config import build_ds_config
-from train.manifest import Manifest, load_manifest
+from train.manifest import Manifest, check_shards, load_manifest
 from train.schema import ConfigError, replace
 from train.tokenizer import load_tokenizer
 
@@ -90,11 +90,13 @@ def check_storage(uri: str, key: str) -> None:
 
 
 def check_dataset(cfg: TrainConfig) -> None:
-    """A prepared dataset matches the model; otherwise its source exists and its directory is ours to write."""
+    """A prepared dataset matches the model and its shards are whole; otherwise its source exists and its directory
+    is ours to write."""
     path = dataset_path(cfg)
     manifest = load_manifest(path)
     if manifest is not None:
         check_dataset_matches(cfg, path, manifest)
+        check_shards(path, manifest)
         return
     refuse_foreign(path)
     list_source(cfg.data.source or default_source())
