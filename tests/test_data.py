@@ -24,6 +24,7 @@ import ray.data
 from ray._common.test_utils import wait_for_condition
 from ray.data._internal.logging import get_log_directory
 
+from tests.conftest import write_a_prepared_dataset
 from train.config import DataConfig, load_config
 from train.data import (
     LAGGING_NO_CPU_WARNING,
@@ -312,6 +313,23 @@ def test_a_copy_does_not_wait_for_a_dataset_whose_storage_does_not_answer(tiny_d
     wait_for_condition(lambda: len(list(copies.iterdir())) == 2, timeout=30)
     built_from = {json.loads((copy / COPY_SOURCE).read_text())["path"] for copy in copies.iterdir()}
     assert built_from == {str(silent), str(new)}
+
+
+@pytest.mark.unit
+def test_a_shard_damaged_inside_is_named_where_its_copy_fails(tmp_path, monkeypatch):
+    """pyarrow's error for a damaged page ("Corrupt snappy compressed data") names no file: the copy's error does."""
+    dataset, node_tmp = tmp_path / "dataset", tmp_path / "node-tmp"
+    node_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(node_tmp))
+    shard = dataset / write_a_prepared_dataset(dataset).train.shards[0]
+    page = pq.read_metadata(shard).row_group(0).column(0).data_page_offset
+    damaged = bytearray(shard.read_bytes())
+    damaged[page + 60 : page + 80] = bytes(b ^ 0xFF for b in damaged[page + 60 : page + 80])  # its footer whole
+    shard.write_bytes(bytes(damaged))
+    with pytest.raises(OSError, match="^Corrupt snappy compressed data") as failed:
+        load_split(str(dataset), "train")
+    assert failed.value.__notes__ == [f"while copying {shard} to this node"]
+    assert not list(node_tmp.glob("raywright-data/*/*.u16*"))  # nothing half-copied left on the node
 
 
 @pytest.mark.cluster

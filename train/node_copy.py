@@ -105,6 +105,11 @@ def _write_tokens(path: str, shards: list[str], out) -> None:
                     out.write(batch.column("tokens").flatten().to_numpy().astype(np.uint16, copy=False).tobytes())
             except pa.ArrowInvalid as exc:  # damaged data (a copy cut short), not storage that cannot be reached
                 raise ValueError(unreadable_shard(path, shard, str(exc))) from None
+            except OSError as exc:
+                # Storage failing mid-read, or a page damaged inside the shard: pyarrow raises both as OSError, and
+                # neither names the file. The type stays, so a failed read is still retried as storage's.
+                exc.add_note(f"while copying {storage.join(path, shard)} to this node")
+                raise
 
 
 def _drop_orphaned_copies(copies: str) -> None:
