@@ -228,8 +228,16 @@ def run_record(cfg: TrainConfig, world_size: int = 1) -> checkpoint.RunRecord:
     )
 
 
+# The shards of ``a_manifest``'s dataset and the sequences each holds, by split.
+A_DATASETS_SHARD_ROWS = {"train": {"train/0.parquet": 200, "train/1.parquet": 83}, "val": {"val/0.parquet": 7}}
+
+
 def a_manifest() -> Manifest:
     """The manifest of a dataset of the tiny recipe's sequence length: 200 + 83 train and 7 val sequences."""
+    splits = {
+        split: SplitShards(shards=list(rows), sequences=sum(rows.values()))
+        for split, rows in A_DATASETS_SHARD_ROWS.items()
+    }
     return Manifest(
         source="corpus/**/*.txt",
         source_sha256="ab" * 32,
@@ -238,12 +246,8 @@ def a_manifest() -> Manifest:
         tokenizer=ByteTokenizer().spec(),
         tokens_per_byte=1.0010673782521682,
         seq_len=128,
-        train=SplitShards(shards=["train/0.parquet", "train/1.parquet"], sequences=283),
-        val=SplitShards(shards=["val/0.parquet"], sequences=7),
+        **splits,
     )
-
-
-A_MANIFESTS_SHARD_ROWS = {"train/0.parquet": 200, "train/1.parquet": 83, "val/0.parquet": 7}
 
 
 def write_a_prepared_dataset(path: Path) -> Manifest:
@@ -251,7 +255,7 @@ def write_a_prepared_dataset(path: Path) -> Manifest:
     the manifest."""
     manifest = a_manifest()
     row = pa.list_(pa.uint16(), manifest.seq_len + 1)
-    for shard, rows in A_MANIFESTS_SHARD_ROWS.items():
+    for shard, rows in (item for split in A_DATASETS_SHARD_ROWS.values() for item in split.items()):
         (path / shard).parent.mkdir(parents=True, exist_ok=True)
         tokens = pa.array(np.zeros((rows, manifest.seq_len + 1), np.uint16).tolist(), row)
         pq.write_table(pa.table({"tokens": tokens}), path / shard)

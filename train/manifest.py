@@ -70,12 +70,14 @@ def write_manifest(path: str, manifest: Manifest) -> None:
     storage.write_json(storage.join(path, MANIFEST), manifest.model_dump())
 
 
+def _prepare_again(path: str) -> str:
+    return f"prepare the dataset again (delete {path}, or give another data.path)"
+
+
 def unreadable_shard(path: str, shard: str, why: str) -> str:
     """How a shard of the dataset at ``path`` that cannot be read as ``prepare`` wrote it is reported."""
-    return (
-        f"{storage.join(path, shard)}: a shard of the prepared dataset that cannot be read ({why}); "
-        f"prepare the dataset again (delete {path}, or give another data.path)"
-    )
+    where = storage.join(path, shard)
+    return f"{where}: a shard of the prepared dataset that cannot be read ({why}); {_prepare_again(path)}"
 
 
 def check_shards(path: str, manifest: Manifest) -> None:
@@ -90,16 +92,18 @@ def check_shards(path: str, manifest: Manifest) -> None:
     fs, root = storage.resolve(path)
 
     def rows(shard: str) -> int:
+        def damaged(why: str) -> ConfigError:
+            return ConfigError(f"data.path: {unreadable_shard(path, shard, why)}")
+
         try:
-            with fs.open_input_file(f"{root}/{shard}") as file:
-                footer = pq.read_metadata(file)
+            footer = pq.read_metadata(f"{root}/{shard}", filesystem=fs)
         except FileNotFoundError:
-            raise ConfigError(f"data.path: {unreadable_shard(path, shard, 'it is not there')}") from None
+            raise damaged("it is not there") from None
         except pa.ArrowInvalid as exc:
-            raise ConfigError(f"data.path: {unreadable_shard(path, shard, str(exc))}") from None
+            raise damaged(str(exc)) from None
         columns = footer.schema.to_arrow_schema().names
         if "tokens" not in columns:
-            raise ConfigError(f"data.path: {unreadable_shard(path, shard, f'no tokens column, only {columns}')}")
+            raise damaged(f"no tokens column, only {columns}")
         return footer.num_rows
 
     with ThreadPoolExecutor(16) as pool:
@@ -109,5 +113,5 @@ def check_shards(path: str, manifest: Manifest) -> None:
             if held != listed.sequences:
                 raise ConfigError(
                     f"data.path: the {split} shards of {path} hold {held} sequences, its {MANIFEST} counts "
-                    f"{listed.sequences}; prepare the dataset again (delete {path}, or give another data.path)"
+                    f"{listed.sequences}; {_prepare_again(path)}"
                 )
