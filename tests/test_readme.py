@@ -91,6 +91,25 @@ def test_every_readme_command_is_run_or_excused():
     assert [c for c in HOW if c not in commands] == [], "a command left the README: drop it from HOW"
 
 
+@pytest.mark.unit
+def test_the_layout_names_every_module_and_no_other():
+    """The README's Layout is where a reader looks for a module: one added, renamed or removed updates it."""
+    layout = re.search(r"## Layout\n\n```\n(.*?)```", (REPO / "README.md").read_text(), re.S).group(1)
+    listed, package = set(), None
+    for line in layout.splitlines():
+        if not line.startswith(" "):
+            package = line.split("/")[0]
+        listed |= {f"{package}/{name}" for name in re.findall(r"(?<![\w/])(\w+\.py)\b", line)}
+    modules = {
+        f"{package}/{path.name}"
+        for package in ("train", "serve", "tune", "cluster")
+        for path in (REPO / package).glob("*.py")
+        if path.name != "__init__.py"
+    }
+    assert sorted(modules - listed) == [], "name these modules in the README's Layout"
+    assert sorted(listed - modules) == [], "the README's Layout names modules that are not there"
+
+
 def _shell(command: str, cwd: Path, env: dict, timeout: int = 600) -> subprocess.CompletedProcess:
     if command.startswith("pip install"):  # this environment is that install
         command = command.split(" && ")[-1]
