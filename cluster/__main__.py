@@ -10,7 +10,7 @@ import argparse
 import asyncio
 import sys
 
-from cluster.jobs import KINDS, JobError, connect, job_address, submit
+from cluster.jobs import DEFAULT_ADDRESS, KINDS, JobError, connect, job_address, submit
 from train.cli import OneLineParser, config_errors_exit_2
 from train.schema import ConfigError
 
@@ -35,7 +35,11 @@ def _parser() -> OneLineParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     # Every job command talks to a cluster's job API.
     on_cluster = OneLineParser(add_help=False)
-    on_cluster.add_argument("--address", help="the cluster's job API URL")
+    on_cluster.add_argument(
+        "--address",
+        help=f"the cluster's job API URL (default: $RAY_ADDRESS if it is a URL, else {DEFAULT_ADDRESS}, "
+        "where `ray dashboard cluster.yaml` tunnels it)",
+    )
     for name in ("up", "down"):
         twin = commands.add_parser(name, help=f"{'start' if name == 'up' else 'stop'} the local twin")
         twin.add_argument("--local", action="store_true", required=True, help="the fake_multinode twin on this machine")
@@ -52,11 +56,15 @@ def _parser() -> OneLineParser:
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     run.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment of the job")
     run.add_argument("--follow", action="store_true", help="stream the job's logs until it ends")
-    for name in ("logs", "status", "stop"):
-        job = commands.add_parser(name, parents=[on_cluster], help=f"{name} of one job")
+    for name, what in (
+        ("logs", "one job's logs"),
+        ("status", "one job's status"),
+        ("stop", "stop one job: SIGTERM, which a training run takes as Ctrl-C"),
+    ):
+        job = commands.add_parser(name, parents=[on_cluster], help=what)
         job.add_argument("job_id")
         if name == "logs":
-            job.add_argument("--follow", action="store_true")
+            job.add_argument("--follow", action="store_true", help="stream the job's logs until it ends")
     commands.add_parser("list", parents=[on_cluster], help="the cluster's jobs")
     return parser
 
