@@ -238,6 +238,18 @@ def own_ray_env() -> Iterator[dict[str, str]]:
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+def _names_of_processes_listening_on(port: int) -> set[str]:
+    """A HAProxy reload (on a replica change) starts a new process and ends the old one: one that ended between
+    the two looks is left out."""
+    names = set()
+    for connection in psutil.net_connections("tcp"):
+        if connection.status == "LISTEN" and connection.laddr.port == port:
+            assert connection.pid is not None, "cannot see who listens (not allowed to read their sockets)"
+            with contextlib.suppress(psutil.NoSuchProcess):
+                names.add(psutil.Process(connection.pid).name())
+    return names
+
+
 @pytest.mark.parametrize(
     ("ingress", "stopped_by"), [("proxy", "process"), ("haproxy", "process"), ("haproxy", "group")]
 )
@@ -274,9 +286,13 @@ def test_python_m_serve_serves_the_openai_client(memorized_export, own_ray_env, 
         openai_roundtrip(f"http://127.0.0.1:{port}")
         # Which process listens on the port says who the requests above went through. (HAProxy's own request
         # counts are no proof: a reload on a replica change resets them.)
-        listening = {c.pid for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port}
-        assert listening and None not in listening, "cannot see who listens (not allowed to read their sockets)"
-        names = {psutil.Process(pid).name() for pid in listening}
+        names: set[str] = set()
+
+        def someone_listens() -> bool:
+            names.update(_names_of_processes_listening_on(port))
+            return bool(names)
+
+        wait_for_condition(someone_listens, timeout=10)
         assert ("haproxy" in names) == (ingress == "haproxy"), names
     finally:
         stopping = time.monotonic()
