@@ -4,6 +4,7 @@ import contextlib
 import logging
 import os
 import shutil
+import subprocess
 import sysconfig
 import tempfile
 import threading
@@ -213,6 +214,28 @@ def process_group():
     yield
     dist.destroy_process_group()
     monkeypatch.undo()
+
+
+@pytest.fixture
+def small_disk(tmp_path) -> Iterator[Path]:
+    """A filesystem of 10 MiB of its own (tmpfs), for a disk that fills up; skipped where this user cannot mount."""
+    disk = tmp_path / "small-disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=10M", "tmpfs", disk], capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    yield disk
+    subprocess.run(["umount", "--lazy", disk], check=True)
+
+
+def fill(disk: Path) -> Path:
+    """Fill ``disk`` to its last byte with a file of its own, which, deleted, gives the space back."""
+    filler = disk / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        with contextlib.suppress(OSError):  # ENOSPC: full
+            while True:
+                f.write(b"\0" * 4096)
+    return filler
 
 
 def run_record(cfg: TrainConfig, world_size: int = 1) -> checkpoint.RunRecord:

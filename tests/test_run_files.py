@@ -1,11 +1,13 @@
 """Side files of a run on object storage: appended on a node, visible when flushed, continued elsewhere,
 kept through a storage outage."""
 
+import json
 import os
 import time
 
 import pytest
 
+from tests.conftest import fill
 from train import storage
 from train.metrics import METRICS, MetricsRecorder, read_metrics
 from train.run_files import JsonlLog, drop_node_local_copy, node_local_copy, read_jsonl
@@ -52,6 +54,38 @@ def test_a_local_log_is_appended_in_place(tmp_path):
     JsonlLog(uri).append({"step": 1})
     JsonlLog(uri).append({"step": 2})
     assert steps(uri) == [1, 2]
+
+
+def test_a_local_log_on_a_full_disk_keeps_its_records_and_writes_them_once_there_is_room(small_disk, caplog):
+    uri = str(small_disk / "run" / "metrics.jsonl")
+    log = JsonlLog(uri)
+    # The first record ends 10 bytes short of its page: the next needs a page the full disk has not got.
+    without_pad = len(json.dumps({"time": time.time(), "step": 1, "pad": ""})) + 1
+    log.append({"step": 1, "pad": "x" * (os.sysconf("SC_PAGE_SIZE") - 10 - without_pad)})
+    filler = fill(small_disk)
+    log.append({"step": 2, "note": "longer than what is left of the page"})  # cut short where the page ends
+    log.append({"step": 3})
+    assert steps(uri) == [1]
+    filler.unlink()
+    log.append({"step": 4})
+    assert steps(uri) == [1, 2, 3, 4]  # each once, whole, in order: the cut one is dropped as a reader meets it
+    failures = [r.getMessage() for r in caplog.records if r.getMessage().startswith("could not write")]
+    assert len(failures) == 1 and "No space left on device" in failures[0]  # logged once, not per record
+
+
+# TensorBoard's writer thread dies of the full disk with a traceback of its own; its writer raises that failure again.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_metrics_on_a_full_disk_do_not_end_the_run_and_are_all_written_once_there_is_room(small_disk):
+    """An exception here would end the run: Ray Train does not retry a callback's."""
+    run = str(small_disk / "run")
+    recorder = MetricsRecorder(run, max_steps=3, upload_every_s=30)
+    filler = fill(small_disk)
+    recorder.after_report(None, [{"step": 1, "loss": 5.0}], None)
+    recorder.after_report(None, [{"step": 2, "loss": 4.0}], None)
+    filler.unlink()
+    recorder.after_report(None, [{"step": 3, "loss": 3.0}], None)  # the last: closes both
+    assert [m["step"] for m in read_metrics(run)] == [1, 2, 3]
+    assert list((small_disk / "run" / "tensorboard").glob("events.out.tfevents.*"))
 
 
 def test_a_record_cut_short_by_a_killed_writer_loses_no_other_record(tmp_path, caplog):

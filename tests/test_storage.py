@@ -1,10 +1,12 @@
-"""Waiting out a storage outage: what a (re)starting training worker does before it reads its run."""
+"""Storage that fails: an outage waited out, as a (re)starting training worker does before it reads its run; a
+write that a full disk cuts short."""
 
 import threading
 import time
 
 import pytest
 
+from tests.conftest import fill
 from train import storage
 
 pytestmark = pytest.mark.unit
@@ -40,3 +42,11 @@ def test_a_file_that_is_not_there_reads_as_none_and_storage_that_is_down_raises(
     with s3_server.outage(), pytest.raises(OSError) as raised:
         storage.read_if_exists(uri)
     assert not isinstance(raised.value, FileNotFoundError)
+
+
+def test_a_write_that_a_full_disk_cuts_short_leaves_nothing_behind(small_disk):
+    """Before, its temporary file stayed: on a full disk, space that the next write lacked."""
+    fill(small_disk)
+    with pytest.raises(OSError, match="No space left on device"):
+        storage.write_bytes(str(small_disk / "timeline.json"), b"x" * 100_000)
+    assert sorted(path.name for path in small_disk.iterdir()) == ["filler"]

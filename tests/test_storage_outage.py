@@ -99,6 +99,27 @@ def test_a_run_whose_storage_stays_down_stops_after_the_failed_checkpoints_it_to
     assert checkpoint.latest_complete(run_uri(cfg)).step == 5
 
 
+def test_a_run_whose_disk_fills_up_says_so_and_frees_what_each_failed_checkpoint_wrote(
+    ray_session, process_group, small_disk, tiny_dataset
+):
+    """The disk holds one checkpoint of the tiny model, not two: the first counts, the next ones fail. Before, a
+    failure said only torch's "unexpected pos", and each failed checkpoint's files stayed, holding the space."""
+    settings = ["run.name=fills", "scaling.num_workers=1", "optim.max_steps=100", "run.log_every=1"]
+    settings += ["run.eval_every=1000", "checkpoint.every_steps=5", "checkpoint.failures_tolerated=1"]
+    cfg = load_config("tiny", [f"data.path={tiny_dataset}", f"run.storage_path={small_disk}", *settings])
+    reports = []
+    full = r"step_000000\d\d could not be written \(rank 0: .*; the disk holding \S+ is full: \d+\.\d MiB free\)"
+    with pytest.raises(checkpoint.CheckpointWriteError, match=full):
+        args = loop_args(cfg, tiny_dataset, load_manifest(tiny_dataset)).to_dict()
+        train_loop(args, reports.append, preemption_info=lambda: None)
+    failed = [m["checkpoint_failed"] for m in reports if "checkpoint_failed" in m]
+    assert len(failed) == 1 and failed[0].endswith("step_00000010")  # tolerated
+    run = run_uri(cfg)
+    assert checkpoint.latest_complete(run).step == 5
+    assert checkpoint.step_dirs(run) == [checkpoint.checkpoint_uri(run, 5)]  # the failed ones' files deleted
+    assert not list(small_disk.rglob("*.tmp"))
+
+
 def test_a_run_restarted_while_its_storage_is_down_waits_for_it(ray_session, s3_server, s3_bucket, tiny_dataset, capfd):
     """A worker lost during an outage: the new workers wait for storage to answer, then resume; before, each
     of their attempts failed on its first read of the run and counted against scaling.max_failures."""

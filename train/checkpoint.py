@@ -242,18 +242,37 @@ def written(pending: PendingCheckpoint, wait: bool) -> bool:
         return False
     if failed:
         failures: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(failures, _describe(error))
-        _raise_write_error(pending.uri, failures, error)
+        dist.all_gather_object(failures, _describe(error, pending))
+        _fail(pending, failures, error)
     return True
 
 
-def _describe(error: BaseException | None) -> str | None:
-    return f"{type(error).__name__}: {error}" if error else None
+# A write that fails with less free space than this on its disk failed for want of space: torch.save says only
+# "unexpected pos" (its stream's error), where the full disk of a long run is the usual cause.
+FULL_DISK_BYTES = 64 * 2**20
 
 
-def _raise_write_error(uri: str, failures: list[str | None], cause: BaseException | None) -> None:
+def _describe(error: BaseException | None, pending: PendingCheckpoint) -> str | None:
+    """This rank's failure, and whether the disk it wrote to on this node is full."""
+    if error is None:
+        return None
+    where = storage.resolve(pending.uri)[1] if storage.is_local(pending.uri) else staging_root(pending.run_uri)
+    while not os.path.exists(where):
+        where = os.path.dirname(where)
+    free = shutil.disk_usage(where).free
+    full = f"; the disk holding {where} is full: {free / 2**20:.1f} MiB free" if free < FULL_DISK_BYTES else ""
+    return f"{type(error).__name__}: {error}{full}"
+
+
+def _fail(pending: PendingCheckpoint, failures: list[str | None], cause: BaseException | None) -> None:
+    """Raise ``CheckpointWriteError`` on every rank, once rank 0 has deleted what the failed attempt wrote to a local
+    disk: on a full one, the space the next attempt needs. Object storage does not fill up, and a delete there would
+    wait out the outage that failed the attempt: ``prune`` deletes it after the next checkpoint that counts."""
+    if dist.get_rank() == 0 and storage.is_local(pending.uri):
+        with contextlib.suppress(OSError):
+            storage.delete_dir(pending.uri)
     causes = "; ".join(f"rank {rank}: {failure}" for rank, failure in enumerate(failures) if failure)
-    raise CheckpointWriteError(f"checkpoint {uri} could not be written ({causes[:2000]})") from cause
+    raise CheckpointWriteError(f"checkpoint {pending.uri} could not be written ({causes[:2000]})") from cause
 
 
 def finish_save(pending: PendingCheckpoint, keep_last: int, tokenizer: BPETokenizer) -> None:
@@ -280,10 +299,10 @@ def finish_save(pending: PendingCheckpoint, keep_last: int, tokenizer: BPETokeni
                 prune(pending.run_uri, keep_last)
             except OSError as exc:
                 logger.warning("could not delete old checkpoints (retried after the next one): %s", exc)
-    outcome = [_describe(error)]
+    outcome = [_describe(error, pending)]
     dist.broadcast_object_list(outcome)  # also what the other ranks wait for
     if outcome[0]:
-        _raise_write_error(pending.uri, outcome, error)
+        _fail(pending, outcome, error)
 
 
 def prune(run_uri: str, keep_last: int) -> None:

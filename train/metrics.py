@@ -5,6 +5,7 @@ appends every report to ``<run>/metrics.jsonl`` and, when the ``tensorboard`` ex
 installed, to TensorBoard event files in ``<run>/tensorboard``, wherever the run lives.
 """
 
+import contextlib
 import functools
 import logging
 import math
@@ -102,12 +103,7 @@ class MetricsRecorder(UserCallback):
             self._log = JsonlLog(storage.join(self.run_uri, METRICS))
             self._uploaded = time.monotonic()
         self._log.append(record)
-        writer = self._tensorboard()
-        if writer is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step":
-                    writer.add_scalar(key, value, record["step"])
-            writer.flush()
+        self._add_to_tensorboard(record)
         due = time.monotonic() - self._uploaded >= self.upload_every_s
         if record["step"] >= self.max_steps or "diverged" in record:  # the run's last report
             self._close()
@@ -121,7 +117,7 @@ class MetricsRecorder(UserCallback):
     def _upload(self) -> bool:
         """Upload both; returns whether both are uploaded (a failure is logged)."""
         uploaded = self._log.flush()
-        if self._writer is not None:
+        if self._tensorboard_dir:
             tensorboard = storage.join(self.run_uri, TENSORBOARD)
             upload = functools.partial(upload_dir, self._tensorboard_dir, tensorboard)
             uploaded = try_upload(upload, tensorboard, self._tensorboard_dir) and uploaded
@@ -131,14 +127,29 @@ class MetricsRecorder(UserCallback):
     def _close(self) -> None:
         """Upload, and delete this node's copies at the run's end (a later report would open them again);
         where the upload failed, the copies stay (logged)."""
-        if self._writer is not None:
-            self._writer.close()  # writes its last events before the upload
+        self._close_tensorboard()  # before the upload, which takes its last events
         if self._upload():
             for side_file in (METRICS, TENSORBOARD):
                 drop_node_local_copy(storage.join(self.run_uri, side_file))
         else:
             logger.warning("not all side files of %s were uploaded: this node keeps them", self.run_uri)
-        self._log, self._writer = None, None
+        self._log, self._tensorboard_dir = None, ""
+
+    def _add_to_tensorboard(self, record: dict[str, Any]) -> None:
+        """The record's numbers as TensorBoard scalars. Events that cannot be written (a full disk) are logged and
+        dropped, the writer with them: a new one starts an events file at the next report. Nothing else is lost:
+        metrics.jsonl keeps every report."""
+        try:
+            writer = self._tensorboard()
+            if writer is None:
+                return
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    writer.add_scalar(key, value, record["step"])
+            writer.flush()
+        except OSError as exc:
+            logger.warning("TensorBoard events of %s could not be written, and are dropped: %s", self.run_uri, exc)
+            self._close_tensorboard()
 
     def _tensorboard(self):
         if self._writer is None:
@@ -149,6 +160,13 @@ class MetricsRecorder(UserCallback):
             self._tensorboard_dir = local_dir_for(storage.join(self.run_uri, TENSORBOARD))
             self._writer = SummaryWriter(self._tensorboard_dir)
         return self._writer
+
+    def _close_tensorboard(self) -> None:
+        """Close the writer, which writes its last events (one whose writes failed raises that failure again)."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            with contextlib.suppress(OSError):
+                writer.close()
 
 
 def read_metrics(run_uri: str) -> list[dict[str, Any]]:

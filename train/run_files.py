@@ -6,7 +6,8 @@ restart, continues the file; one opened during an outage reads it before its fir
 records an earlier writer on this node left unuploaded, and uploads it whole when the caller flushes (the
 metrics recorder every ``run.side_files_upload_s`` and at the end, the sample log at each checkpoint and at
 the end). An upload that fails (storage unreachable) is logged and left to the next flush: side files never
-stop a run, and the node's copy holds everything meanwhile. At the end the copy is deleted once uploaded: a
+stop a run, and the node's copy holds everything meanwhile. So is a write to the node's disk that fails (a
+full disk): the records wait in memory for the next. At the end the copy is deleted once uploaded: a
 node that outlives many runs keeps none of their side files."""
 
 import json
@@ -48,6 +49,8 @@ class JsonlLog:
         self.remote = not storage.is_local(uri)
         self.path = local_path(uri)
         self._unflushed = False  # appended to since the last upload
+        self._unwritten: list[str] = []  # lines a write could not add to the file (a full disk): tried again
+        self._write_failing = False
         self._continued = not self.remote  # whether the local copy starts with what ``uri`` held
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         if self.remote:
@@ -81,13 +84,36 @@ class JsonlLog:
         return True
 
     def append(self, record: dict[str, Any]) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"time": time.time(), **record}) + "\n")
-        self._unflushed = True
+        self._unwritten.append(json.dumps({"time": time.time(), **record}) + "\n")
+        self._write()
+
+    def _write(self) -> bool:
+        """Add the lines not yet in the file to it; returns whether they all are. A write that fails (a full disk)
+        is logged once and tried again at the next append or flush: side files never stop a run."""
+        try:
+            if self._write_failing:
+                _end_a_cut_line(self.path)  # the part of a line that the failed write added
+            with open(self.path, "a") as f:
+                while self._unwritten:
+                    f.write(self._unwritten[0])
+                    f.flush()
+                    self._unwritten.pop(0)
+                    self._unflushed = True
+        except OSError as exc:
+            if not self._write_failing:
+                logger.warning(
+                    "could not write %s (its records are kept, and written with the next): %s", self.path, exc
+                )
+            self._write_failing = True
+            return False
+        self._write_failing = False
+        return True
 
     def flush(self) -> bool:
         """Make everything appended so far visible at ``uri`` (an upload only if something was appended); returns
         whether it is. A failed upload is logged, and the next flush uploads everything again."""
+        if not self._write():
+            return False
         if self.remote and self._unflushed:
             if not self._continued and not self._continue_stored():
                 return False  # uploading now would replace the records that ``uri`` holds
@@ -103,6 +129,8 @@ class JsonlLog:
         later writer of ``uri`` on this node merges it in."""
         if self.flush():
             drop_node_local_copy(self.uri)
+        elif self._unwritten:
+            logger.warning("%d records of %s could not be written, and are lost", len(self._unwritten), self.uri)
         else:
             logger.warning("%s keeps the records %s lacks", self.path, self.uri)
 

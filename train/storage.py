@@ -1,5 +1,6 @@
 """Local paths and object-storage URIs behind one interface (pyarrow filesystems)."""
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -99,11 +100,16 @@ def write_bytes(uri: str, data: bytes) -> None:
             f.write(data)
         return
     staging = f"{path}.{os.getpid()}.tmp"
-    with open(staging, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(staging, path)
+    try:
+        with open(staging, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(staging, path)
+    except BaseException:  # a full disk: what it holds of the file would stay behind
+        with contextlib.suppress(OSError):
+            os.remove(staging)
+        raise
 
 
 def read_bytes(uri: str) -> bytes:
