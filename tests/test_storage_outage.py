@@ -1,6 +1,7 @@
 """Training goes on while the run's storage cannot be reached (a moto S3 server taken down), and loses nothing:
 checkpoints that fail do not count and are retried, side files are uploaded once storage is back, the lease
-is kept; only storage that stays down past ``checkpoint.failures_tolerated`` failed checkpoints stops a run."""
+is kept; only storage that stays down past ``checkpoint.failures_tolerated`` failed checkpoints stops a run. A local
+disk that fills up is named as such."""
 
 import os
 import signal
