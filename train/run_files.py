@@ -51,6 +51,9 @@ class JsonlLog:
         self._unflushed = False  # appended to since the last upload
         self._unwritten: list[str] = []  # lines a write could not add to the file (a full disk): tried again
         self._write_failing = False
+        # Where the file may end in part of a line (a writer killed while it appended, a failed write): that line is
+        # ended before the next record, which then starts a line of its own, and only the cut one is dropped.
+        self._may_end_in_a_cut_line = not self.remote
         self._continued = not self.remote  # whether the local copy starts with what ``uri`` held
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         if self.remote:
@@ -60,8 +63,6 @@ class JsonlLog:
             self._kept = os.path.getsize(self.path)  # bytes at the start of the copy
             self._unflushed = self._kept > 0
             self._continue_stored()
-        else:
-            _end_a_cut_line(self.path)
 
     def _continue_stored(self) -> bool:
         """Merge what ``uri`` holds with the records of this node's copy. While storage cannot be read, this is
@@ -91,8 +92,9 @@ class JsonlLog:
         """Add the lines not yet in the file to it; returns whether they all are. A write that fails (a full disk)
         is logged once and tried again at the next append or flush: side files never stop a run."""
         try:
-            if self._write_failing:
-                _end_a_cut_line(self.path)  # the part of a line that the failed write added
+            if self._may_end_in_a_cut_line:
+                _end_a_cut_line(self.path)
+                self._may_end_in_a_cut_line = False
             with open(self.path, "a") as f:
                 while self._unwritten:
                     f.write(self._unwritten[0])
@@ -100,6 +102,7 @@ class JsonlLog:
                     self._unwritten.pop(0)
                     self._unflushed = True
         except OSError as exc:
+            self._may_end_in_a_cut_line = True
             if not self._write_failing:
                 logger.warning(
                     "could not write %s (its records are kept, and written with the next): %s", self.path, exc
@@ -153,8 +156,8 @@ def _records(jsonl: bytes) -> list[Record]:
 
 
 def _end_a_cut_line(path: str) -> None:
-    """End the last line of the local log ``path`` where a writer killed while it appended left it without its
-    newline: the next record then starts a line of its own, and only the cut one is dropped when it is read."""
+    """End the last line of the local log ``path`` where a writer killed while it appended, or a write that failed,
+    left it without its newline."""
     if os.path.exists(path) and os.path.getsize(path):
         with open(path, "rb+") as f:
             f.seek(-1, os.SEEK_END)
