@@ -232,13 +232,14 @@ def small_disk(tmp_path) -> Iterator[Path]:
     subprocess.run(["umount", "--lazy", disk], check=True)
 
 
-def fill(disk: Path) -> Path:
-    """Fill ``disk`` to its last byte with a file of its own, which, deleted, gives the space back."""
+def fill(disk: Path, room: int = 0) -> Path:
+    """Fill ``disk`` with a file of its own but for ``room`` bytes; deleted, it gives the space back."""
     filler = disk / "filler"
     with open(filler, "wb", buffering=0) as f:
         with contextlib.suppress(OSError):  # ENOSPC: full
             while True:
                 f.write(b"\0" * 4096)
+    os.truncate(filler, filler.stat().st_size - room)
     return filler
 
 

@@ -24,7 +24,7 @@ import ray.data
 from ray._common.test_utils import wait_for_condition
 from ray.data._internal.logging import get_log_directory
 
-from tests.conftest import write_a_prepared_dataset
+from tests.conftest import fill, write_a_prepared_dataset
 from train.config import DataConfig, load_config
 from train.data import (
     LAGGING_NO_CPU_WARNING,
@@ -227,6 +227,20 @@ def test_preparing_a_corpus_leaves_ray_datas_progress_in_its_log_and_the_console
     ray_data.info("after preparing")
     printed = [line.split(" -- ", 1)[1] for line in ray_data_console.getvalue().splitlines()]
     assert printed == ["a warning of Ray Data's", "after preparing"]
+
+
+@pytest.mark.cluster
+def test_a_disk_that_fills_up_while_prepare_writes_is_one_line_and_left_as_it_was(corpus_dir, small_disk):
+    """Before, 91 lines of a Ray task's traceback, the cause last."""
+    filler = fill(small_disk, room=64 * 1024)
+    out = small_disk / "prepared"
+    command = [sys.executable, "-m", "train.data", "prepare", "--source", str(corpus_dir), "--out", str(out)]
+    done = subprocess.run([*command, "--seq-len", "64"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    said = rf"error: preparing {out}: no space left on the disk holding {small_disk} \(\d+\.\d MiB free\)"
+    assert re.fullmatch(said, last), last
+    assert [path.name for path in small_disk.iterdir()] == [filler.name]  # the partial dataset deleted
 
 
 @pytest.mark.cluster

@@ -31,13 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     from train.launch import run_training
     from train.lease import RunOwnedError
     from train.loop import DivergedError
+    from train.storage import DiskFullError
 
     try:
         summary = run_training(cfg, stop_on_sigterm=True)
     except RunOwnedError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except DivergedError as exc:
+    except (DivergedError, DiskFullError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     # Ctrl-C or SIGTERM: before Ray Train trains, or its graceful abort of the run, which ends in Ray's SystemExit.

@@ -367,9 +367,12 @@ def prepare(data: DataConfig, out: str, seq_len: int) -> Manifest:
             storage.delete_dir(out)  # raywright's own (checked above): a rerun replaces it whole
         try:
             tokens_per_byte, splits = _write_dataset(staging, tokens, chosen, seq_len, source)
-        except BaseException:
+        except BaseException as exc:
             if staging != out and storage.exists(staging):
                 storage.delete_dir(staging)
+            full = storage.disk_full(exc, f"preparing {out}", staging) if storage.is_local(out) else None
+            if full:
+                raise full from None
             raise
     manifest = Manifest(
         source=source,
@@ -539,7 +542,11 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
-    manifest = prepare(data, args.out, args.seq_len)
+    try:
+        manifest = prepare(data, args.out, args.seq_len)
+    except storage.DiskFullError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(
         f"prepared {manifest.train.sequences} train and {manifest.val.sequences} validation "
         f"sequences of {args.seq_len + 1} tokens from {manifest.documents} documents into {args.out} "

@@ -1,12 +1,16 @@
 """Local paths and object-storage URIs behind one interface (pyarrow filesystems)."""
 
 import contextlib
+import errno
 import hashlib
+import itertools
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -39,6 +43,27 @@ def absolute(uri: str) -> str:
 
 def is_local(uri: str) -> bool:
     return isinstance(resolve(uri)[0], pafs.LocalFileSystem)
+
+
+class DiskFullError(OSError):
+    """A local disk that filled up while raywright wrote to it: what the CLIs say in one line (exit code 1)."""
+
+
+def disk_full(error: BaseException, what: str, path: str) -> DiskFullError | None:
+    """``error`` as a ``DiskFullError`` naming ``what`` and the free space at ``path``, where it or one of its causes
+    (a Ray task's included) is "no space left on device"; else None."""
+    if not any(getattr(cause, "errno", None) == errno.ENOSPC for cause in itertools.islice(_causes(error), 20)):
+        return None
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    free = shutil.disk_usage(path).free / 2**20
+    return DiskFullError(f"{what}: no space left on the disk holding {path} ({free:.1f} MiB free)")
+
+
+def _causes(error: BaseException | None) -> Iterator[BaseException]:
+    while error is not None:
+        yield error
+        error = getattr(error, "cause", None) or error.__cause__ or error.__context__  # RayTaskError's: ``cause``
 
 
 def node_local_dir(purpose: str, key: str) -> str:
