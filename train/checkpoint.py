@@ -256,10 +256,8 @@ def _describe(error: BaseException | None, pending: PendingCheckpoint) -> str | 
     """This rank's failure, and whether the disk it wrote to on this node is full."""
     if error is None:
         return None
-    where = storage.resolve(pending.uri)[1] if storage.is_local(pending.uri) else staging_root(pending.run_uri)
-    while not os.path.exists(where):
-        where = os.path.dirname(where)
-    free = shutil.disk_usage(where).free
+    written_to = storage.resolve(pending.uri)[1] if storage.is_local(pending.uri) else staging_root(pending.run_uri)
+    where, free = storage.free_space(written_to)
     full = f"; the disk holding {where} is full: {free / 2**20:.1f} MiB free" if free < FULL_DISK_BYTES else ""
     return f"{type(error).__name__}: {error}{full}"
 

@@ -54,10 +54,16 @@ def disk_full(error: BaseException, what: str, path: str) -> DiskFullError | Non
     (a Ray task's included) is "no space left on device"; else None."""
     if not any(getattr(cause, "errno", None) == errno.ENOSPC for cause in itertools.islice(_causes(error), 20)):
         return None
+    where, free = free_space(path)
+    return DiskFullError(f"{what}: no space left on the disk holding {where} ({free / 2**20:.1f} MiB free)")
+
+
+def free_space(path: str) -> tuple[str, int]:
+    """The nearest existing folder at or above the local ``path`` (what a failed write left of it may be gone), and
+    the bytes free on its disk."""
     while not os.path.exists(path):
         path = os.path.dirname(path)
-    free = shutil.disk_usage(path).free / 2**20
-    return DiskFullError(f"{what}: no space left on the disk holding {path} ({free:.1f} MiB free)")
+    return path, shutil.disk_usage(path).free
 
 
 def _causes(error: BaseException | None) -> Iterator[BaseException]:
