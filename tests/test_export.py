@@ -10,7 +10,8 @@ from tests.conftest import MEMORIZED_TEXT
 from train.config import load_config
 from train.ds_config import build_engine
 from train.evaluation import Evaluation
-from train.export import PROVENANCE, ExportProvenance, export_model, load_exported, read_provenance
+from train.export import PROVENANCE, ExportProvenance, export_model, load_exported, read_provenance, save_export
+from train.hf_gpt2 import CONFIG, WEIGHTS
 from train.model import GPT
 from train.schema import ConfigError
 from train.tokenizer import ByteTokenizer, train_bpe
@@ -86,3 +87,19 @@ def test_a_training_record_that_is_none_reads_as_none_and_a_damaged_one_is_named
         record.write_text(damaged)
         with pytest.raises(ConfigError, match=rf"^{record} is not a training record this raywright reads \({why}"):
             read_provenance(str(tmp_path))
+
+
+@pytest.mark.unit
+def test_an_export_over_an_earlier_one_that_fails_after_its_weights_is_no_longer_a_model(tmp_path):
+    """The weights are replaced whole, then the files beside them: where one of those fails (storage down, a full
+    disk), the earlier export's config.json goes, so the directory does not load as a model of the new weights with
+    the earlier record and tokenizer."""
+    tokenizer = ByteTokenizer()
+    cfg = load_config("tiny", [f"model.vocab_size={tokenizer.vocab_size}"])
+    save_export(GPT(cfg.model).state_dict(), cfg.model, tokenizer, str(tmp_path), None)
+    assert load_exported(str(tmp_path)).provenance is None
+    (tmp_path / PROVENANCE).unlink()
+    (tmp_path / PROVENANCE).mkdir()  # what a write after the weights' cannot replace
+    with pytest.raises(IsADirectoryError):
+        save_export(GPT(cfg.model).state_dict(), cfg.model, tokenizer, str(tmp_path), None)
+    assert not (tmp_path / CONFIG).exists() and (tmp_path / WEIGHTS).exists()

@@ -7,6 +7,7 @@ plus ``raywright.json``, our provenance (data manifest hash, resolved training c
 version). ``load_exported`` reads any GPT-2 directory, ours or not. Nothing is unpickled.
 """
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Annotated, Any
@@ -80,9 +81,21 @@ def save_export(
     uri: str,
     provenance: ExportProvenance | None,
 ) -> None:
-    """Write the model directory; ``config.json`` goes last, as it is what makes the directory a model."""
+    """Write the model directory; ``config.json`` goes last, as it is what makes the directory a model. Where a write
+    after the weights' fails, an earlier export's ``config.json`` goes: its files are no longer of one model."""
     weights = save_safetensors(to_hf_state(state), metadata={"format": "pt"})  # transformers checks the format
-    storage.write_bytes(storage.join(uri, WEIGHTS), weights)
+    storage.write_bytes(storage.join(uri, WEIGHTS), weights)  # whole or not at all: an earlier export stays whole
+    try:
+        _save_beside_weights(model_config, tokenizer, uri, provenance)
+    except OSError:
+        with contextlib.suppress(OSError):
+            storage.delete_file(storage.join(uri, CONFIG))
+        raise
+
+
+def _save_beside_weights(
+    model_config: ModelConfig, tokenizer: BPETokenizer, uri: str, provenance: ExportProvenance | None
+) -> None:
     save_tokenizer(tokenizer, uri)
     special = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT}
     storage.write_json(
