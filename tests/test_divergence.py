@@ -12,10 +12,11 @@ import torch
 from train import checkpoint, storage
 from train.config import load_config
 from train.launch import loop_args, run_training, run_uri
-from train.loop import DivergedError, train_loop
+from train.loop import train_loop
 from train.manifest import load_manifest
 from train.metrics import read_metrics
 from train.run_layout import export_uri
+from train.stops import DivergedError
 from train.timeline import read_summary
 
 pytestmark = pytest.mark.cluster

@@ -1,7 +1,7 @@
 """Training goes on while the run's storage cannot be reached (a moto S3 server taken down), and loses nothing:
 checkpoints that fail do not count and are retried, side files are uploaded once storage is back, the lease
 is kept; only storage that stays down past ``checkpoint.failures_tolerated`` failed checkpoints stops a run. A local
-disk that fills up is named as such."""
+disk that fills up is named as such, and stops a run without a restart once its checkpoints or export cannot go on."""
 
 import os
 import signal
@@ -12,15 +12,18 @@ import pytest
 import ray
 from ray._common.test_utils import wait_for_condition
 
-from tests.conftest import training_worker_pids
+from tests.conftest import fill, training_worker_pids
 from train import checkpoint, storage
 from train.config import load_config
+from train.export import final_evaluation
 from train.launch import loop_args, record_trained_run, run_training, run_uri
 from train.lease import LEASE
 from train.loop import train_loop
 from train.manifest import load_manifest
 from train.metrics import read_metrics
-from train.timeline import ELASTIC_SUMMARY, TIMELINE, RunTimeline, progress_of
+from train.run_layout import export_uri
+from train.stops import OutOfDiskError
+from train.timeline import ELASTIC_SUMMARY, TIMELINE, RunTimeline, progress_of, read_summary
 
 pytestmark = pytest.mark.cluster
 
@@ -100,25 +103,56 @@ def test_a_run_whose_storage_stays_down_stops_after_the_failed_checkpoints_it_to
     assert checkpoint.latest_complete(run_uri(cfg)).step == 5
 
 
-def test_a_run_whose_disk_fills_up_says_so_and_frees_what_each_failed_checkpoint_wrote(
-    ray_session, process_group, small_disk, tiny_dataset
+def test_a_run_whose_disk_fills_up_says_so_frees_what_each_failed_checkpoint_wrote_and_is_not_restarted(
+    ray_session, small_disk, tiny_dataset
 ):
     """The disk holds one checkpoint of the tiny model, not two: the first counts, the next ones fail. Before, a
-    failure said only torch's "unexpected pos", and each failed checkpoint's files stayed, holding the space."""
+    failure said only torch's "unexpected pos", each failed checkpoint's files stayed, holding the space, and Ray
+    Train restarted the run scaling.max_failures times, to redo its steps since that checkpoint and fail alike."""
     settings = ["run.name=fills", "scaling.num_workers=1", "optim.max_steps=100", "run.log_every=1"]
     settings += ["run.eval_every=1000", "checkpoint.every_steps=5", "checkpoint.failures_tolerated=1"]
     cfg = load_config("tiny", [f"data.path={tiny_dataset}", f"run.storage_path={small_disk}", *settings])
-    reports = []
-    full = r"step_000000\d\d could not be written \(rank 0: .*; the disk holding \S+ is full: \d+\.\d MiB free\)"
-    with pytest.raises(checkpoint.CheckpointWriteError, match=full):
-        args = loop_args(cfg, tiny_dataset, load_manifest(tiny_dataset)).to_dict()
-        train_loop(args, reports.append, preemption_info=lambda: None)
+    full = r"checkpoint \S+/step_00000015 could not be written \(rank 0: .*; the disk holding \S+ is full: "
+    full += r"\d+\.\d MiB free\)"
+    with pytest.raises(OutOfDiskError, match=rf"^out of disk space: {full}; stopped at step 1\d \(2 in a row: "):
+        run_training(cfg)
+    run = run_uri(cfg)
+    assert read_summary(run).restarts == 0
+    reports = read_metrics(run)
     failed = [m["checkpoint_failed"] for m in reports if "checkpoint_failed" in m]
     assert len(failed) == 1 and failed[0].endswith("step_00000010")  # tolerated
-    run = run_uri(cfg)
+    assert "newest checkpoint: step 5). Free space on that disk" in reports[-1]["out_of_disk"]
     assert checkpoint.latest_complete(run).step == 5
     assert checkpoint.step_dirs(run) == [checkpoint.checkpoint_uri(run, 5)]  # the failed ones' files deleted
     assert not list(small_disk.rglob("*.tmp"))
+
+
+def test_a_run_whose_disk_fills_up_before_its_export_says_so_and_exports_once_there_is_room(
+    ray_session, process_group, small_disk, tiny_dataset
+):
+    """The training loop as a one-rank sweep trial runs it: the disk fills up once the last checkpoint counts."""
+    settings = ["run.name=export-fills", "scaling.num_workers=1", "optim.max_steps=5", "optim.warmup_steps=0"]
+    settings += ["run.eval_every=1000"]
+    cfg = load_config("tiny", [f"data.path={tiny_dataset}", f"run.storage_path={small_disk}", *settings])
+    args = loop_args(cfg, tiny_dataset, load_manifest(tiny_dataset)).to_dict()
+    reports, filled = [], []
+
+    def report(metrics: dict) -> None:
+        reports.append(metrics)
+        if "checkpoint" in metrics:
+            filled.append(fill(small_disk))
+
+    train_loop(args, report, preemption_info=lambda: None)
+    export = export_uri(run_uri(cfg))
+    assert reports[-1]["step"] == 5 and reports[-1]["out_of_disk"].startswith(
+        f"out of disk space: exporting {export}: no space left on the disk holding "
+    )
+    assert "the checkpoint of step 5 counts" in reports[-1]["out_of_disk"]
+    assert final_evaluation(run_uri(cfg)) is None and not list(small_disk.rglob("*.tmp"))
+
+    filled[0].unlink()
+    train_loop(args, report, preemption_info=lambda: None)  # the same run again: it exports from that checkpoint
+    assert final_evaluation(run_uri(cfg)).step == 5
 
 
 def test_a_run_restarted_while_its_storage_is_down_waits_for_it(ray_session, s3_server, s3_bucket, tiny_dataset, capfd):

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: {cfg.run.name!r} resumes with settings its newest checkpoint did not have: {changes}", flush=True)
     from train.launch import run_training
     from train.lease import RunOwnedError
-    from train.loop import DivergedError
+    from train.stops import RunStopped
     from train.storage import DiskFullError
 
     try:
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     except RunOwnedError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except (DivergedError, DiskFullError) as exc:
+    except (RunStopped, DiskFullError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     # Ctrl-C or SIGTERM: before Ray Train trains, or its graceful abort of the run, which ends in Ray's SystemExit.

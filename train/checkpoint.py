@@ -142,7 +142,26 @@ def latest_complete(run_uri: str) -> Checkpoint | None:
 
 
 class CheckpointWriteError(RuntimeError):
-    """A checkpoint could not be written (raised on every rank alike); it does not count."""
+    """A checkpoint could not be written (raised on every rank alike); it does not count. ``full_disk``: the disk a
+    rank found full (a folder on it), where one did."""
+
+    def __init__(self, message: str, full_disk: str | None = None):
+        super().__init__(message)
+        self.full_disk = full_disk
+
+
+@dataclass(frozen=True)
+class RankWriteFailure:
+    """One rank's failure to write its part of a checkpoint, and the disk it wrote to where that disk is full."""
+
+    error: str
+    full_disk: str | None = None  # the nearest existing folder of what it wrote
+    free_bytes: int = 0
+
+    def __str__(self) -> str:
+        if self.full_disk is None:
+            return self.error
+        return f"{self.error}; the disk holding {self.full_disk} is full: {self.free_bytes / 2**20:.1f} MiB free"
 
 
 @dataclass
@@ -241,7 +260,7 @@ def written(pending: PendingCheckpoint, wait: bool) -> bool:
     if still_writing:
         return False
     if failed:
-        failures: list[str | None] = [None] * dist.get_world_size()
+        failures: list[RankWriteFailure | None] = [None] * dist.get_world_size()
         dist.all_gather_object(failures, _describe(error, pending))
         _fail(pending, failures, error)
     return True
@@ -252,17 +271,17 @@ def written(pending: PendingCheckpoint, wait: bool) -> bool:
 FULL_DISK_BYTES = 64 * 2**20
 
 
-def _describe(error: BaseException | None, pending: PendingCheckpoint) -> str | None:
+def _describe(error: BaseException | None, pending: PendingCheckpoint) -> RankWriteFailure | None:
     """This rank's failure, and whether the disk it wrote to on this node is full."""
     if error is None:
         return None
     written_to = storage.resolve(pending.uri)[1] if storage.is_local(pending.uri) else staging_root(pending.run_uri)
     where, free = storage.free_space(written_to)
-    full = f"; the disk holding {where} is full: {free / 2**20:.1f} MiB free" if free < FULL_DISK_BYTES else ""
-    return f"{type(error).__name__}: {error}{full}"
+    failure = f"{type(error).__name__}: {error}"
+    return RankWriteFailure(failure, where, free) if free < FULL_DISK_BYTES else RankWriteFailure(failure)
 
 
-def _fail(pending: PendingCheckpoint, failures: list[str | None], cause: BaseException | None) -> None:
+def _fail(pending: PendingCheckpoint, failures: list[RankWriteFailure | None], cause: BaseException | None) -> None:
     """Raise ``CheckpointWriteError`` on every rank, once rank 0 has deleted what the failed attempt wrote to a local
     disk: on a full one, the space the next attempt needs. Object storage does not fill up, and a delete there would
     wait out the outage that failed the attempt: ``prune`` deletes it after the next checkpoint that counts."""
@@ -270,7 +289,8 @@ def _fail(pending: PendingCheckpoint, failures: list[str | None], cause: BaseExc
         with contextlib.suppress(OSError):
             storage.delete_dir(pending.uri)
     causes = "; ".join(f"rank {rank}: {failure}" for rank, failure in enumerate(failures) if failure)
-    raise CheckpointWriteError(f"checkpoint {pending.uri} could not be written ({causes[:2000]})") from cause
+    full_disk = next((failure.full_disk for failure in failures if failure and failure.full_disk), None)
+    raise CheckpointWriteError(f"checkpoint {pending.uri} could not be written ({causes[:2000]})", full_disk) from cause
 
 
 def finish_save(pending: PendingCheckpoint, keep_last: int, tokenizer: BPETokenizer) -> None:

@@ -63,15 +63,24 @@ class Exported:
 def export_model(
     engine, model_config: ModelConfig, tokenizer: BPETokenizer, uri: str, provenance: ExportProvenance
 ) -> None:
-    """Write the engine's full weights (gathered under ZeRO-3) from rank 0; a collective call."""
+    """Write the engine's full weights (gathered under ZeRO-3) from rank 0; a collective call. Where rank 0 could
+    not write them, every rank raises its error: ``storage.DiskFullError`` where a local disk is full."""
     import deepspeed  # here, not at the top: serving reads exports without DeepSpeed
 
     module = engine.module
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
         state = {name: tensor.detach().cpu().clone() for name, tensor in module.state_dict().items()}
+    outcome: list[OSError | None] = [None]
     if dist.get_rank() == 0:
-        save_export(state, model_config, tokenizer, uri, provenance)
-    dist.barrier()
+        try:
+            save_export(state, model_config, tokenizer, uri, provenance)
+        except OSError as exc:
+            what = f"exporting {uri}"
+            full = storage.disk_full(exc, what, storage.resolve(uri)[1]) if storage.is_local(uri) else None
+            outcome = [full or OSError(f"{what}: {exc}")]
+    dist.broadcast_object_list(outcome)  # also what the other ranks wait for
+    if outcome[0] is not None:
+        raise outcome[0]
 
 
 def save_export(

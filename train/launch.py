@@ -26,7 +26,7 @@ from train.data import dataset_path, prepare
 from train.evaluation import Evaluation
 from train.export import final_evaluation
 from train.lease import Lease
-from train.loop import DivergedError, train_loop
+from train.loop import train_loop
 from train.loop_args import LoopArgs
 from train.manifest import Manifest, load_manifest
 from train.metrics import HEALTH_CHECK_INTERVAL_ENV, MetricsRecorder, read_metrics
@@ -36,6 +36,7 @@ from train.provenance import Provenance
 from train.run_layout import export_uri
 from train.scaling_policy import ElasticTorchTrainer
 from train.schema import replace
+from train.stops import stop_in
 from train.timeline import (
     TIMELINE_PREFIX,
     ElasticSummary,
@@ -246,7 +247,7 @@ def ensure_dataset(cfg: TrainConfig) -> tuple[str, Manifest]:
 
 def run_training(cfg: TrainConfig, stop_on_sigterm: bool = False) -> RunSummary:
     """Train ``cfg`` to completion (resuming the run of the same name if it exists), holding its lease;
-    raises ``DivergedError`` where training diverged.
+    raises ``RunStopped`` (train/stops.py) where training diverged or a disk filled up.
 
     ``stop_on_sigterm``: the command line's run, where ``ray job stop`` should abort gracefully.
     """
@@ -305,13 +306,13 @@ def record_trained_run(cfg: TrainConfig, timeline: ActorHandle) -> RunSummary:
     storage.wait_until_reachable([run], cfg.run.storage_wait_s)
     ray.get(timeline.finished.remote())
     elastic = ray.get(timeline.summary.remote())
+    stopped = stop_in(ray.get(timeline.stop_report.remote()) or {})
     ray.kill(timeline)
     if elastic:
         write_summary(run, elastic)
-    reports = read_metrics(run)
-    if reports and "diverged" in reports[-1]:
-        raise DivergedError(reports[-1]["diverged"], reports[-1]["step"])
-    return _summary(run, checkpoint.latest_complete(run), reports, elastic)
+    if stopped:
+        raise stopped
+    return _summary(run, checkpoint.latest_complete(run), read_metrics(run), elastic)
 
 
 def _already_trained(cfg: TrainConfig) -> RunSummary | None:

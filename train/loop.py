@@ -46,6 +46,7 @@ from train.run_files import JsonlLog
 from train.run_layout import export_uri
 from train.schedule import lr_at
 from train.schema import parse, replace
+from train.stops import DivergedError, OutOfDiskError, RunStopped
 from train.timeline import CheckpointEvent, Startup, describe_resize
 from train.tokenizer import load_tokenizer
 
@@ -131,14 +132,6 @@ def _held_weights(param: torch.nn.Parameter, rank: int) -> torch.Tensor:
     if share is None:
         return param
     return share.narrow(0, 0, min(share.ds_numel, max(0, param.ds_numel - share.ds_numel * rank)))
-
-
-class DivergedError(RuntimeError):
-    """The training loss or the weights stopped being finite (on every rank alike, at ``step``)."""
-
-    def __init__(self, message: str, step: int):
-        super().__init__(message)
-        self.step = step
 
 
 @dataclass
@@ -283,29 +276,46 @@ class Trainer:
         )
 
     def run(self) -> None:
-        """Train to ``optim.max_steps`` and export; or, where training diverges, end with a ``diverged`` report
-        (every rank, at the same step), neither checkpointed nor exported: raised, Ray Train would restart the
-        run from its newest checkpoint, to diverge again."""
+        """Train to ``optim.max_steps``, evaluate and export; or, where training diverges or a disk is full, end
+        with a report that says so (``train/stops.py``: every rank, at the same step): raised, Ray Train would
+        restart the run from its newest checkpoint, to stop alike."""
+        try:
+            self._train()
+            self._evaluate_and_export()
+        except RunStopped as stopped:
+            report = stopped.report(time.time())
+            if self.rank == 0:
+                print(f"error: {stopped}", flush=True)
+            if self.timeline:
+                ray.get(self.timeline.record_stop.remote(report))  # before the driver asks
+            self._report_fn(report)
+
+    def _train(self) -> None:
         try:
             while self.step < self.cfg.optim.max_steps:
                 with self.profiler.step(self.step + 1):
                     my_rows, loss, seconds = self._train_step()
                 self._after_step(my_rows, loss, seconds)
-        except DivergedError as diverged:
-            if self.rank == 0:
-                print(f"error: {diverged}", flush=True)
-            self._report_fn({"step": diverged.step, "diverged": str(diverged), "time": time.time()})
-            return
         finally:
             if self.sample_log:
                 self.sample_log.close()
+
+    def _evaluate_and_export(self) -> None:
+        """The final evaluation, with the export: a sweep trial resumed after it finished reports it, not trains
+        again. The last step's checkpoint counts by now, so a run that stops here resumes from it to export."""
         if self.evaluation is None or self.evaluation.step != self.step:  # resumed from the last step's checkpoint
             self._evaluate()
-        # The final evaluation, with the export: a sweep trial resumed after it finished reports it, not trains again.
         provenance = ExportProvenance(
             **self.args.provenance.model_dump(), step=self.step, config=self.cfg.to_dict(), evaluation=self.evaluation
         )
-        export_model(self.engine, self.cfg.model, self.tokenizer, export_uri(self.run_uri), provenance)
+        try:
+            export_model(self.engine, self.cfg.model, self.tokenizer, export_uri(self.run_uri), provenance)
+        except storage.DiskFullError as full:
+            raise OutOfDiskError(
+                f"out of disk space: {full}; the checkpoint of step {self.step} counts. "
+                "Free space on that disk and run the same command again: it exports from that checkpoint",
+                self.step,
+            ) from full
         checkpoint.remove_staging(self.run_uri)
 
     def _train_step(self) -> tuple[np.ndarray, torch.Tensor, float]:
@@ -516,21 +526,38 @@ class Trainer:
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
         return bool(finite.item())
 
+    def _newest_checkpoint(self) -> str:
+        return f"step {self.newest_checkpoint_step}" if self.newest_checkpoint_step else "none"
+
     def _diverged(self, what: str) -> DivergedError:
         """The run stops before a checkpoint could keep non-finite weights: its newest checkpoints stay good."""
-        newest = f"step {self.newest_checkpoint_step}" if self.newest_checkpoint_step else "none"
         return DivergedError(
-            f"training diverged: {what}; stopped before a checkpoint kept it (newest checkpoint: {newest}). "
+            f"training diverged: {what}; stopped before a checkpoint kept it (newest checkpoint: "
+            f"{self._newest_checkpoint()}). "
             "Lower optim.lr or raise optim.warmup_steps and run again: it resumes from that checkpoint",
             self.step,
         )
 
-    def _checkpoint_failed(self, pending: checkpoint.PendingCheckpoint, failure: Exception) -> dict[str, Any]:
+    def _out_of_disk(self, pending: checkpoint.PendingCheckpoint, failure: Exception) -> OutOfDiskError:
+        """A checkpoint that failed on a full disk ends the run: it stays full for a restart."""
+        why = "the run's last" if pending.step == self.cfg.optim.max_steps else f"{self.failed_checkpoints} in a row"
+        return OutOfDiskError(
+            f"out of disk space: {failure}; stopped at step {self.step} ({why}: checkpoint.failures_tolerated is "
+            f"{self.cfg.checkpoint.failures_tolerated}; newest checkpoint: {self._newest_checkpoint()}). Free space on "
+            "that disk and run the same command again: it resumes from that checkpoint",
+            self.step,
+        )
+
+    def _checkpoint_failed(
+        self, pending: checkpoint.PendingCheckpoint, failure: checkpoint.CheckpointWriteError
+    ) -> dict[str, Any]:
         """Train on past a checkpoint that could not be written (storage may be back for the next one), unless it
         was the run's last or ``checkpoint.failures_tolerated`` failed in a row before it: then raise (every rank)."""
         self.failed_checkpoints += 1
         tolerated = self.cfg.checkpoint.failures_tolerated
         if pending.step == self.cfg.optim.max_steps or self.failed_checkpoints > tolerated:
+            if failure.full_disk:
+                raise self._out_of_disk(pending, failure) from failure
             raise failure
         self.answered_until = self.answered_before_pending  # an early-checkpoint request it answered is asked again
         if self.rank == 0:

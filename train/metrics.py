@@ -18,6 +18,7 @@ from ray.train.v2.api.callback import UserCallback
 
 from train import storage
 from train.run_files import JsonlLog, drop_node_local_copy, local_dir_for, read_jsonl, try_upload, upload_dir
+from train.stops import stop_in
 
 METRICS = "metrics.jsonl"
 TENSORBOARD = "tensorboard"
@@ -105,7 +106,7 @@ class MetricsRecorder(UserCallback):
         self._log.append(record)
         self._add_to_tensorboard(record)
         due = time.monotonic() - self._uploaded >= self.upload_every_s
-        if record["step"] >= self.max_steps or "diverged" in record:  # the run's last report
+        if record["step"] >= self.max_steps or stop_in(record):  # the run's last report
             self._close()
         elif due or "checkpoint" in record:
             self._upload()

@@ -17,7 +17,7 @@ whose gap is not wall time. The driver that finishes the run writes its summary,
 import time
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import Literal
+from typing import Any, Literal
 
 import ray
 from pydantic import ConfigDict, Field
@@ -199,6 +199,7 @@ class Timeline:
         # The driver that saved it died: its last attempt ended with its last step known.
         self.driver_lost = bool(self.state.attempts) and not self.state.finished
         self.created = time.time()  # when this driver had the run's dataset ready
+        self._stop_report: dict[str, Any] | None = None
 
     def _save(self) -> None:
         """Write the events to the run's storage; a failed write is logged and left to the next save."""
@@ -293,6 +294,14 @@ class Timeline:
         if self.state.attempts:
             self.state.attempts[-1].end = self.state.finished
         self._save()
+
+    def record_stop(self, report: dict[str, Any]) -> None:
+        """The workers ended the run early (``train/stops.py``) with ``report``: kept here for the driver, where a
+        full disk cannot lose it as it can the report's line in metrics.jsonl."""
+        self._stop_report = report
+
+    def stop_report(self) -> dict[str, Any] | None:
+        return self._stop_report
 
     def progress(self) -> Progress:
         if not self.state.attempts:

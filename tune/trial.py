@@ -28,6 +28,7 @@ from train.loop import train_loop
 from train.manifest import Manifest
 from train.process_group import one_process_group
 from train.schema import read_record
+from train.stops import DivergedError, stop_in
 from tune.config import SweepConfig, override
 
 logger = logging.getLogger(__name__)
@@ -76,10 +77,14 @@ def ended_evaluation(run: str) -> Evaluation | None:
 def _trial_evaluation(report: dict) -> Evaluation | None:
     """What Tune sees of a training report: its evaluation only, as ASHA compares trials on the validation loss
     at equal steps. A trial whose training diverged ends as the worst result (reported as NaN, ASHA would never
-    stop it, as NaN < cutoff is false, and Optuna would drop it as failed, learning nothing from it)."""
-    if "diverged" in report:
+    stop it, as NaN < cutoff is false, and Optuna would drop it as failed, learning nothing from it). One that
+    stopped for another reason (a full disk: no fault of its parameters) fails, raising it."""
+    stopped = stop_in(report)
+    if isinstance(stopped, DivergedError):
         worst = math.inf
         return Evaluation(step=report["step"], val_loss=worst, val_perplexity=worst, val_bpb=worst, time=report["time"])
+    if stopped:
+        raise stopped
     return Evaluation.in_report(report)
 
 
