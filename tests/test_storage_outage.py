@@ -5,6 +5,8 @@ disk that fills up is named as such, and stops a run without a restart once its 
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -149,6 +151,16 @@ def test_a_run_whose_disk_fills_up_before_its_export_says_so_and_exports_once_th
     )
     assert "the checkpoint of step 5 counts" in reports[-1]["out_of_disk"]
     assert final_evaluation(run_uri(cfg)) is None and not list(small_disk.rglob("*.tmp"))
+    # Its checkpoint exported by hand to the same disk, still full: one line and exit code 1, not a traceback.
+    command = [sys.executable, "-m", "train.export_checkpoint", run_uri(cfg), "--out", f"{small_disk}/by-hand"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert (
+        done.returncode == 1
+        and done.stderr.count("\n") == 1
+        and done.stderr.startswith(
+            f"error: exporting {small_disk}/by-hand: no space left on the disk holding {small_disk}"
+        )
+    ), done.stderr[-3000:]
 
     filled[0].unlink()
     train_loop(args, report, preemption_info=lambda: None)  # the same run again: it exports from that checkpoint

@@ -105,7 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = find_checkpoint(args.location, args.step)
     out = storage.absolute(args.out) if args.out else default_out(ckpt)
     check_out(out)
-    export_checkpoint(ckpt, out)
+    try:
+        export_checkpoint(ckpt, out)
+    except storage.DiskFullError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(f"exported {ckpt.uri} (step {ckpt.step}) to {out}")
     return 0
 
