@@ -540,11 +540,14 @@ class Trainer:
 
     def _out_of_disk(self, pending: checkpoint.PendingCheckpoint, failure: Exception) -> OutOfDiskError:
         """A checkpoint that failed on a full disk ends the run: it stays full for a restart."""
-        why = "the run's last" if pending.step == self.cfg.optim.max_steps else f"{self.failed_checkpoints} in a row"
+        tolerated = self.cfg.checkpoint.failures_tolerated
+        why = f"{self.failed_checkpoints} failed in a row with checkpoint.failures_tolerated: {tolerated}"
+        if pending.step == self.cfg.optim.max_steps:
+            why = "the run's last checkpoint"
         return OutOfDiskError(
-            f"out of disk space: {failure}; stopped at step {self.step} ({why}: checkpoint.failures_tolerated is "
-            f"{self.cfg.checkpoint.failures_tolerated}; newest checkpoint: {self._newest_checkpoint()}). Free space on "
-            "that disk and run the same command again: it resumes from that checkpoint",
+            f"out of disk space: {failure}; stopped at step {self.step} ({why}; newest checkpoint: "
+            f"{self._newest_checkpoint()}). Free space on that disk and run the same command again: it resumes from "
+            "that checkpoint",
             self.step,
         )
 
