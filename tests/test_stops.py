@@ -1,6 +1,7 @@
 """A run's early end, as its workers report it and as the driver and a sweep trial read it back."""
 
 import math
+import pickle
 
 import pytest
 
@@ -11,10 +12,12 @@ pytestmark = pytest.mark.unit
 
 
 @pytest.mark.parametrize("kind", [DivergedError, OutOfDiskError])
-def test_a_stop_reads_back_from_its_report_as_the_same_kind_message_and_step(kind):
+def test_a_stop_reads_back_from_its_report_and_its_pickle_as_the_same_kind_message_and_step(kind):
     report = kind("why it stopped", 7).report(time=1.0)
     stopped = stop_in(report)
     assert type(stopped) is kind and str(stopped) == "why it stopped" and stopped.step == 7
+    again = pickle.loads(pickle.dumps(stopped))  # as Ray hands an error from one process to another
+    assert type(again) is kind and str(again) == "why it stopped" and again.step == 7
     assert stop_in({"step": 7, "loss": 2.5, "time": 1.0}) is None
 
 

@@ -18,6 +18,9 @@ class RunStopped(RuntimeError):
         super().__init__(message)
         self.step = step
 
+    def __reduce__(self):  # pickled whole between Ray's processes: the default would call __init__ without step
+        return type(self), (str(self), self.step)
+
     def report(self, time: float) -> dict[str, Any]:
         """The run's last report, which names it."""
         return {"step": self.step, self.key: str(self), "time": time}
