@@ -34,6 +34,7 @@ from tune.sweep import (
     resume_sweep,
     run_sweep,
     summarize,
+    trial_cpus,
     write_best_recipe,
 )
 from tune.trial import ENDED, ended_evaluation
@@ -103,6 +104,22 @@ def test_cli_rejects_a_bad_sweep_file_before_starting_ray(tmp_path, capsys):
     assert tune_main(["--config", "tiny", "--set", "num_trials=0"]) == 2
     assert "num_trials" in capsys.readouterr().err
     assert tune_main(["--resume", str(tmp_path)]) == 2
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("settings", "cpus"),
+    [
+        ([], 1),  # the tiny sweep's one-worker trials: its process is the worker
+        (["trial_workers=2"], 2.01),  # 2 workers of trial_resources' CPU each, beside the trial's sliver
+        (["trial_workers=2", "trial_resources={spot: 0.01}"], 2.01),  # the recipe's cpus_per_worker, then
+    ],
+)
+def test_a_private_ray_is_sized_for_a_trial_and_its_workers(settings, cpus):
+    """A private Ray sized by the workers alone held 2 CPUs on a 2-core laptop, 0.01 short of a 2-worker trial:
+    its Train workers waited for CPUs forever."""
+    sweep = load_sweep_config("tiny", settings)
+    assert trial_cpus(sweep, sweep.base_config()) == pytest.approx(cpus)
 
 
 @pytest.mark.unit

@@ -1,6 +1,7 @@
 """Driver side of a training run: Ray, the dataset, the TorchTrainer, and the run summary."""
 
 import contextlib
+import math
 import os
 import signal
 import subprocess
@@ -89,8 +90,9 @@ def code_version() -> str:
             return "unknown"
 
 
-def init_ray(cfg: TrainConfig) -> bool:
-    """Connect to ``run.ray_address``, or to the cluster of a Ray job (RAY_ADDRESS), else start a private Ray.
+def init_ray(cfg: TrainConfig, min_cpus: float = 0.0) -> bool:
+    """Connect to ``run.ray_address``, or to the cluster of a Ray job (RAY_ADDRESS), else start a private Ray of
+    at least the run's workers' CPUs and ``min_cpus``, however many cores this machine has.
 
     True when it started a private Ray: one that no autoscaler grows, so what it lacks never comes.
     """
@@ -102,7 +104,7 @@ def init_ray(cfg: TrainConfig) -> bool:
         ray.init(address=address)
         return False
     # A private embedded Ray, never one that happens to run on this machine.
-    num_cpus = max(os.cpu_count() or 1, cfg.scaling.max_workers * cfg.scaling.cpus_per_worker)
+    num_cpus = max(os.cpu_count() or 1, cfg.scaling.max_workers * cfg.scaling.cpus_per_worker, math.ceil(min_cpus))
     # Its dashboard's port is known before it starts, so that its processes and this driver ask its state API.
     dashboard_port = free_port(prefer=DEFAULT_DASHBOARD_PORT)  # the port a user knows, where it is free
     os.environ.update(own_state_api_env(dashboard_port))

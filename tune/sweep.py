@@ -32,6 +32,7 @@ from ray.tune.stopper import Stopper
 from ray.util.state import list_actors
 
 from train import checkpoint, storage
+from train.config import TrainConfig
 from train.data import dataset_path
 from train.launch import ensure_dataset, init_ray, resources_offered
 from train.preflight import check_before_ray, check_storage
@@ -76,6 +77,11 @@ class SweepResult:
     curves: dict[str, pd.DataFrame]  # trial id -> its evaluations: step, metric, time
 
 
+# With Train workers the trial's process only drives them: a sliver of CPU, on any node (the head too, which
+# outlives spot nodes); Tune does not count the workers' resources, Train waits for them.
+TRAIN_TRIAL_CPU = 0.01
+
+
 def _trainable(sweep: SweepConfig):
     # Absolute paths for the trials: Tune runs each in a working directory of its own.
     sweep = replace(sweep, storage_path=storage.absolute(sweep.storage_root()))
@@ -83,15 +89,28 @@ def _trainable(sweep: SweepConfig):
     cfg = sweep.base_config([f"run.storage_path={sweep.storage_path}", *address])
     check_before_ray(cfg)
     check_best_recipe_path(sweep)
-    if init_ray(cfg):  # a private Ray: a resource no node has (spot, on a laptop) would keep trials pending forever
+    # A private Ray holds its concurrent trials: a Train trial's sliver beside its workers' CPUs (which alone
+    # sized it before, so a 2-worker trial on a 2-core laptop waited for its workers forever).
+    if init_ray(cfg, min_cpus=sweep.max_concurrent_trials * trial_cpus(sweep, cfg)):
+        # A resource no node has (spot, on a laptop) would keep trials pending forever.
         sweep = replace(sweep, trial_resources=resources_offered(sweep.trial_resources, "trial_resources"))
     data_path, manifest = ensure_dataset(cfg)  # prepared once by the driver, read by every trial
     data_path = storage.absolute(data_path)
     trainable = tune.with_parameters(run_trial, sweep=sweep, data_path=data_path, manifest=manifest)
-    # With Train workers the trial's process only drives them: a sliver of CPU, on any node (the head
-    # too, which outlives spot nodes); Tune does not count the workers' resources, Train waits for them.
-    resources = {"CPU": 0.01} if sweep.on_ray_train else sweep.trial_resources
-    return tune.with_resources(trainable, resources), data_path
+    return tune.with_resources(trainable, _trial_process_resources(sweep)), data_path
+
+
+def _trial_process_resources(sweep: SweepConfig) -> dict[str, float]:
+    return {"CPU": TRAIN_TRIAL_CPU} if sweep.on_ray_train else sweep.trial_resources
+
+
+def trial_cpus(sweep: SweepConfig, cfg: TrainConfig) -> float:
+    """The CPUs one trial holds: its process's, and a Train trial's workers' (``trial_resources`` each, its CPU
+    winning over ``scaling.cpus_per_worker``)."""
+    cpus = _trial_process_resources(sweep).get("CPU", 0.0)
+    if sweep.on_ray_train:
+        cpus += sweep.trial_workers * sweep.trial_resources.get("CPU", cfg.scaling.cpus_per_worker)
+    return cpus
 
 
 class SweepBudget(Stopper):
