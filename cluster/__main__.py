@@ -11,7 +11,7 @@ import asyncio
 import sys
 
 from cluster.jobs import DEFAULT_ADDRESS, KINDS, JobError, connect, job_address, submit
-from train.cli import OneLineParser, config_errors_exit_2
+from train.cli import OneLineParser, one_line_errors
 from train.schema import ConfigError
 
 
@@ -69,7 +69,7 @@ def _parser() -> OneLineParser:
     return parser
 
 
-@config_errors_exit_2
+@one_line_errors
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:

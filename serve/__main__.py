@@ -15,7 +15,7 @@ import sys
 import time
 
 from serve.config import ServeConfig, load_serve_config
-from train.cli import config_errors_exit_2, config_parser, print_config
+from train.cli import config_parser, one_line_errors, print_config
 from train.schema import ConfigError
 
 # How long after a SIGTERM Ray's processes take to show that the same signal reached them (the dashboard's die first).
@@ -101,7 +101,7 @@ def shut_down_serve(started_ray: bool) -> None:
     serve.shutdown()
 
 
-@config_errors_exit_2
+@one_line_errors
 def main(argv: list[str] | None = None) -> int:
     parser = config_parser(
         "python -m serve",

@@ -2,11 +2,11 @@
 
 import sys
 
-from train.cli import config_errors_exit_2, config_parser, print_config, use_cpu_deepspeed_unless_gpu_workers
+from train.cli import config_parser, one_line_errors, print_config, use_cpu_deepspeed_unless_gpu_workers
 from train.config import TrainConfig, load_config, recipe_names
 
 
-@config_errors_exit_2
+@one_line_errors
 def main(argv: list[str] | None = None) -> int:
     parser = config_parser(
         "python -m train",
@@ -30,17 +30,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: {cfg.run.name!r} resumes with settings its newest checkpoint did not have: {changes}", flush=True)
     from train.launch import run_training
     from train.lease import RunOwnedError
-    from train.stops import RunStopped
-    from train.storage import DiskFullError
 
     try:
         summary = run_training(cfg, stop_on_sigterm=True)
     except RunOwnedError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except (RunStopped, DiskFullError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
     # Ctrl-C or SIGTERM: before Ray Train trains, or its graceful abort of the run, which ends in Ray's SystemExit.
     except (KeyboardInterrupt, SystemExit):
         print("interrupted", file=sys.stderr)

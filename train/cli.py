@@ -13,6 +13,8 @@ from pydantic import BaseModel
 
 from train.config import TrainConfig
 from train.schema import ConfigError, Section, fields_help, load_yaml, parse
+from train.stops import RunStopped
+from train.storage import DiskFullError
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -59,8 +61,9 @@ def print_config(config: BaseModel) -> None:
     print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
 
 
-def config_errors_exit_2(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
-    """Wrap a CLI's ``main``: a ConfigError becomes ``config error: ...`` on stderr and exit code 2."""
+def one_line_errors(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
+    """Wrap a CLI's ``main``: a ConfigError becomes ``config error: ...`` on stderr and exit code 2; a run that
+    stopped (diverged, out of disk space) or a full disk, ``error: ...`` and exit code 1."""
 
     @functools.wraps(main)
     def wrapper(argv: list[str] | None = None) -> int:
@@ -69,6 +72,9 @@ def config_errors_exit_2(main: Callable[[list[str] | None], int]) -> Callable[[l
         except ConfigError as exc:
             print(f"config error: {exc}", file=sys.stderr)
             return 2
+        except (RunStopped, DiskFullError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
 
     return wrapper
 

@@ -28,7 +28,7 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
 from train import storage
-from train.cli import OneLineParser, config_errors_exit_2, setting_type
+from train.cli import OneLineParser, one_line_errors, setting_type
 from train.config import BPE_TRAIN_BYTES, DataConfig, TrainConfig, tokenizer_setting
 from train.manifest import MANIFEST, SPLITS, Manifest, SplitShards, write_manifest
 from train.model_config import ModelConfig
@@ -506,7 +506,7 @@ def dataset_path(cfg: TrainConfig) -> str:
     return storage.join(cfg.run.storage_path, "datasets", hashlib.sha256(settings.encode()).hexdigest()[:12])
 
 
-@config_errors_exit_2
+@one_line_errors
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="python -m train.data", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
@@ -542,11 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
-    try:
-        manifest = prepare(data, args.out, args.seq_len)
-    except storage.DiskFullError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    manifest = prepare(data, args.out, args.seq_len)
     print(
         f"prepared {manifest.train.sequences} train and {manifest.val.sequences} validation "
         f"sequences of {args.seq_len + 1} tokens from {manifest.documents} documents into {args.out} "

@@ -14,7 +14,7 @@ import tempfile
 import torch
 
 from train import checkpoint, storage
-from train.cli import OneLineParser, config_errors_exit_2
+from train.cli import OneLineParser, one_line_errors
 from train.config import config_from_dict
 from train.export import PROVENANCE, ExportProvenance, export_model
 from train.provenance import Provenance
@@ -91,7 +91,7 @@ def export_checkpoint(ckpt: checkpoint.Checkpoint, out: str) -> None:
         export_model(engine, cfg.model, load_tokenizer(ckpt.uri), out, provenance)
 
 
-@config_errors_exit_2
+@one_line_errors
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(
         prog="python -m train.export_checkpoint",
@@ -105,11 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = find_checkpoint(args.location, args.step)
     out = storage.absolute(args.out) if args.out else default_out(ckpt)
     check_out(out)
-    try:
-        export_checkpoint(ckpt, out)
-    except storage.DiskFullError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    export_checkpoint(ckpt, out)
     print(f"exported {ckpt.uri} (step {ckpt.step}) to {out}")
     return 0
 

@@ -37,7 +37,6 @@ from train.provenance import Provenance
 from train.run_layout import export_uri
 from train.scaling_policy import ElasticTorchTrainer
 from train.schema import replace
-from train.stops import stop_in
 from train.timeline import (
     TIMELINE_PREFIX,
     ElasticSummary,
@@ -308,7 +307,7 @@ def record_trained_run(cfg: TrainConfig, timeline: ActorHandle) -> RunSummary:
     storage.wait_until_reachable([run], cfg.run.storage_wait_s)
     ray.get(timeline.finished.remote())
     elastic = ray.get(timeline.summary.remote())
-    stopped = stop_in(ray.get(timeline.stop_report.remote()) or {})
+    stopped = ray.get(timeline.stop.remote())
     ray.kill(timeline)
     if elastic:
         write_summary(run, elastic)

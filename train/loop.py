@@ -287,7 +287,7 @@ class Trainer:
             if self.rank == 0:
                 print(f"error: {stopped}", flush=True)
             if self.timeline:
-                ray.get(self.timeline.record_stop.remote(report))  # before the driver asks
+                ray.get(self.timeline.record_stop.remote(stopped))  # before the driver asks
             self._report_fn(report)
 
     def _train(self) -> None:

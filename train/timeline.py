@@ -17,7 +17,7 @@ whose gap is not wall time. The driver that finishes the run writes its summary,
 import time
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import Any, Literal
+from typing import Literal
 
 import ray
 from pydantic import ConfigDict, Field
@@ -25,6 +25,7 @@ from pydantic import ConfigDict, Field
 from train import storage
 from train.run_files import try_upload
 from train.schema import Section, read_record
+from train.stops import RunStopped
 
 TIMELINE_PREFIX = "raywright-timeline-"
 TIMELINE = "timeline.json"  # the events of the run's drivers so far, in the run's directory
@@ -199,7 +200,7 @@ class Timeline:
         # The driver that saved it died: its last attempt ended with its last step known.
         self.driver_lost = bool(self.state.attempts) and not self.state.finished
         self.created = time.time()  # when this driver had the run's dataset ready
-        self._stop_report: dict[str, Any] | None = None
+        self._stop: RunStopped | None = None
 
     def _save(self) -> None:
         """Write the events to the run's storage; a failed write is logged and left to the next save."""
@@ -295,13 +296,13 @@ class Timeline:
             self.state.attempts[-1].end = self.state.finished
         self._save()
 
-    def record_stop(self, report: dict[str, Any]) -> None:
-        """The workers ended the run early (``train/stops.py``) with ``report``: kept here for the driver, where a
-        full disk cannot lose it as it can the report's line in metrics.jsonl."""
-        self._stop_report = report
+    def record_stop(self, stopped: RunStopped) -> None:
+        """The workers ended the run early: kept here for the driver, where a full disk cannot lose it as it can
+        the stop's report line in metrics.jsonl."""
+        self._stop = stopped
 
-    def stop_report(self) -> dict[str, Any] | None:
-        return self._stop_report
+    def stop(self) -> RunStopped | None:
+        return self._stop
 
     def progress(self) -> Progress:
         if not self.state.attempts:

@@ -2,11 +2,11 @@
 
 import sys
 
-from train.cli import config_errors_exit_2, config_parser, print_config, use_cpu_deepspeed_unless_gpu_workers
+from train.cli import config_parser, one_line_errors, print_config, use_cpu_deepspeed_unless_gpu_workers
 from tune.config import SweepConfig, load_sweep_config, saved_sweep_config, sweep_names
 
 
-@config_errors_exit_2
+@one_line_errors
 def main(argv: list[str] | None = None) -> int:
     parser = config_parser(
         "python -m tune",
