@@ -164,6 +164,30 @@ def test_a_trial_the_sweep_ended_before_it_reported_is_not_in_the_summary(tmp_pa
 
 
 @pytest.mark.unit
+def test_the_best_trial_trained_to_the_end_or_else_did_not_fail(tmp_path):
+    """A trial that failed, or that ASHA or the step budget stopped, may have the lowest loss at the step where it
+    ended, but a trial that trained to the last step is the better recipe; where none did, one that did not fail."""
+    sweep = sweep_config_from_dict(
+        {"base": "tiny", "set": ["optim.max_steps=40"], "space": SPACE, "storage_path": str(tmp_path)}
+    )
+
+    def trial(trial_id: str, lr: float, steps: int, val_loss: float, error: Exception | None = None) -> Result:
+        history = pd.DataFrame(
+            {"step": [0, steps], "val_loss": [5.0, val_loss], "trial_start": [1.0, 1.0], "time": [2.0, 9.0]}
+        )
+        config = {"optim.lr": lr, "optim.warmup_steps": 0, "model.d_model": 64}
+        return Result({"config": config, "trial_id": trial_id}, None, error, f"x/run_trial_{trial_id}_1", history)
+
+    failed = trial("f1", 1e-2, 30, 2.0, RuntimeError("out of disk space"))
+    stopped = trial("s1", 3e-3, 20, 2.5)
+    finished = trial("d1", 1e-3, 40, 3.0)
+    data_path = str(tmp_path / "data")
+    assert summarize(sweep, [failed, stopped, finished], data_path).best.trial_id == "d1"
+    assert summarize(sweep, [failed, stopped], data_path).best.trial_id == "s1"
+    assert summarize(sweep, [failed], data_path).best == BestTrial("f1", 2.0, 30, failed.config)
+
+
+@pytest.mark.unit
 def test_best_recipe_path_takes_a_new_file_or_a_best_recipe_and_nothing_else(tmp_path):
     target = tmp_path / "recipes" / "best.yaml"
     sweep = sweep_config_from_dict(

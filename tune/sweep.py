@@ -53,8 +53,8 @@ TRIAL_PROCESSES = {"ImplicitFunc", "RayTrainWorker"}  # Tune's function trials a
 
 @dataclass(frozen=True)
 class BestTrial:
-    """The trial with the lowest final ``val_loss`` of those that trained to ``optim.max_steps`` (of all trials
-    where none did)."""
+    """The sweep's best trial: of lowest final ``val_loss``, those that trained to ``optim.max_steps`` first
+    (``_best``)."""
 
     trial_id: str
     val_loss: float
@@ -354,13 +354,22 @@ def summarize(sweep: SweepConfig, results, data_path: str) -> SweepResult:
     if not curves:
         raise RuntimeError(f"sweep {sweep.name}: no trial reported {sweep.metric}; see the logs in {sweep_dir(sweep)}")
     trials = pd.DataFrame(rows).sort_values("started").reset_index(drop=True)
-    finished = trials[~trials["stopped_early"] & ~trials["error"] & trials["val_loss"].notna()]
-    best = BestTrial.of_row((finished if len(finished) else trials).sort_values("val_loss").iloc[0], list(sweep.space))
+    best = _best(trials, list(sweep.space))
     path = sweep_dir(sweep)
     storage.write_bytes(storage.join(path, TRIALS_FILE), trials.to_csv(index=False).encode())
     recipe = write_best_recipe(sweep, best, data_path)
     plots = save_plots(sweep, trials, curves, path)
     return SweepResult(path, trials, best, recipe, plots, curves)
+
+
+def _best(trials: pd.DataFrame, space_keys: list[str]) -> BestTrial:
+    """The trial of lowest ``val_loss`` among those that trained to the last step; where none did (the step
+    budget or the target ended the sweep first), among those that did not fail; where all failed, among all."""
+    reported = trials[trials["val_loss"].notna()]
+    finished = reported[~reported["stopped_early"] & ~reported["error"]]
+    not_failed = reported[~reported["error"]]
+    candidates = next(c for c in (finished, not_failed, reported) if len(c))
+    return BestTrial.of_row(candidates.sort_values("val_loss").iloc[0], space_keys)
 
 
 def check_best_recipe_path(sweep: SweepConfig) -> None:
