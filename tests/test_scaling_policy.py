@@ -121,9 +121,14 @@ def test_a_grow_waits_until_every_node_has_the_data_then_for_a_checkpoint(ray_cl
             assert not isinstance(decision, ResizeDecision), "grew before the new node had the data"
             return all(_data_copies(tmpdir) == ["train.u16", "val.u16"] for tmpdir in tmpdirs)
 
-        wait_for_condition(copied_before_any_grow, timeout=60)
+        def checkpoint_asked() -> bool:  # at a later poll than the one that saw the copies done, as the controller's
+            decision = policy.make_decision_for_running_worker_group(one_worker, None)
+            assert not isinstance(decision, ResizeDecision), "grew before asking the run for a checkpoint"
+            return latest_restart_request(run) > began
+
+        wait_for_condition(copied_before_any_grow, timeout=60, raise_exceptions=True)
         # then a checkpoint to restart from is asked of the run; the grow waits until the run waits at it
-        wait_for_condition(lambda: latest_restart_request(run) > began, timeout=10)
+        wait_for_condition(checkpoint_asked, timeout=10, raise_exceptions=True)
         assert not isinstance(policy.make_decision_for_running_worker_group(one_worker, None), ResizeDecision)
 
         record_waiting_for_restart(run, latest_restart_request(run))  # rank 0, at the checkpoint that answers it
