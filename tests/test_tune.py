@@ -33,6 +33,7 @@ from tune.sweep import (
     check_best_recipe_path,
     resume_sweep,
     run_sweep,
+    run_sweep_config,
     summarize,
     trial_cpus,
     write_best_recipe,
@@ -256,9 +257,9 @@ def test_notebook_sweep_stops_trials_early_runs_them_concurrently_and_its_best_r
 
 
 @pytest.mark.cluster
-def test_sweep_resumes_after_its_driver_is_killed_within_its_step_budget(ray_session, tiny_dataset, tmp_path):
-    """5 trials of 40 steps, a budget of 120: the driver is killed after two trials (80 steps); the resumed
-    sweep counts those and stops at 120 steps in all, not at 80 + 120."""
+def test_sweep_resumes_after_its_driver_is_killed_within_its_step_budget(ray_session, tiny_dataset, tmp_path, capsys):
+    """5 trials of 40 steps, a budget of 120: the driver is killed after two trials (80 steps); the same command
+    again resumes the sweep, which counts those and stops at 120 steps in all, not at 80 + 120."""
     sweep_file = tmp_path / "sweep-resume.yaml"
     sweep_file.write_text(
         yaml.safe_dump(
@@ -291,7 +292,8 @@ def test_sweep_resumes_after_its_driver_is_killed_within_its_step_budget(ray_ses
     # Tune saves the sweep's state every ~10 s: the one it resumes from has the last trial to finish still running.
     finished_before = [p.parent for p in sweep.glob("trials/*/export/config.json")]  # written last
     exported_before = {d.parts[-2]: (d / "model.safetensors").stat().st_mtime_ns for d in finished_before}
-    result = resume_sweep(str(sweep))
+    result = run_sweep_config(load_sweep_config(str(sweep_file)))
+    assert "resuming it" in capsys.readouterr().out
     trials = result.trials
     assert not trials["error"].any()
     assert set(exported_before) <= set(trials[trials["steps"] == 40]["trial_id"])  # kept, not re-run under new ids
@@ -300,7 +302,7 @@ def test_sweep_resumes_after_its_driver_is_killed_within_its_step_budget(ray_ses
     # Two trials run at once: the one that was not the first to cross the budget may add an evaluation.
     assert 120 <= trials["steps"].sum() <= 120 + 2 * 10, trials
     assert Path(result.best_recipe).exists()
-    # Resumed again, the finished sweep gives the same summary from its files, and trains nothing.
+    # Resumed again (`--resume`), the finished sweep gives the same summary from its files, and trains nothing.
     exported = {p: p.stat().st_mtime_ns for p in sweep.glob("trials/*/export/model.safetensors")}
     again = resume_sweep(str(sweep))
     pd.testing.assert_frame_equal(again.trials, trials)

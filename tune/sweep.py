@@ -257,12 +257,20 @@ def run_sweep(base_config: str, search_space: dict[str, dict], **options: Any) -
 
 
 def run_sweep_config(sweep: SweepConfig) -> SweepResult:
-    """Run ``sweep``; one of the same name that already ran with the same settings and finished with no trial
-    failed is not run again (seeded, it would propose and train the same trials): its summary, without Ray."""
+    """Run ``sweep``. One of the same name that already ran with the same settings is not started over (seeded,
+    it would propose and train the same trials): one that finished with no trial failed gives its summary, without
+    Ray; one that was interrupted, or had trials fail, resumes as ``resume_sweep`` does, as a training run does."""
     path = sweep_dir(sweep)
-    if _ran_with(sweep, path) and _nothing_to_resume(path):
-        print(f"sweep {sweep.name!r} already ran with these settings: its summary (give a new name to sweep again)")
-        return _summary_from_files(sweep, path)
+    if _ran_with(sweep, path):
+        if _nothing_to_resume(path):
+            print(f"sweep {sweep.name!r} already ran with these settings: its summary (give a new name to sweep again)")
+            return _summary_from_files(sweep, path)
+        if tune.Tuner.can_restore(path):
+            print(
+                f"sweep {sweep.name!r} ran with these settings and left trials unfinished or failed: resuming it "
+                "(give a new name to sweep again)"
+            )
+            return resume_sweep(path, sweep)
     trainable, data_path = _trainable(sweep)
     if storage.exists(storage.join(path, TRIALS_FILE)):  # left by an earlier sweep of this name: this one runs now
         storage.delete_file(storage.join(path, TRIALS_FILE))
