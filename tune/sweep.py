@@ -53,8 +53,8 @@ TRIAL_PROCESSES = {"ImplicitFunc", "RayTrainWorker"}  # Tune's function trials a
 
 @dataclass(frozen=True)
 class BestTrial:
-    """The sweep's best trial: of lowest final ``val_loss``, those that trained to ``optim.max_steps`` first
-    (``_best``)."""
+    """The sweep's best trial, as ``_best`` picks it: the lowest final ``val_loss``, of the trials that trained to
+    ``optim.max_steps`` where any did."""
 
     trial_id: str
     val_loss: float
