@@ -257,9 +257,12 @@ def test_notebook_sweep_stops_trials_early_runs_them_concurrently_and_its_best_r
 
 
 @pytest.mark.cluster
-def test_sweep_resumes_after_its_driver_is_killed_within_its_step_budget(ray_session, tiny_dataset, tmp_path, capsys):
-    """5 trials of 40 steps, a budget of 120: the driver is killed after two trials (80 steps); the same command
-    again resumes the sweep, which counts those and stops at 120 steps in all, not at 80 + 120."""
+def test_a_sweep_interrupted_or_whose_driver_is_killed_resumes_within_its_step_budget(
+    ray_session, tiny_dataset, tmp_path, capsys
+):
+    """5 trials of 40 steps, a budget of 120. Ctrl-C once a trial has a checkpoint: the sweep saves its state and
+    says how to resume it. The same command resumes it, and is killed after two trials (80 steps); the same
+    command again resumes the sweep, which counts those and stops at 120 steps in all, not at 80 + 120."""
     sweep_file = tmp_path / "sweep-resume.yaml"
     sweep_file.write_text(
         yaml.safe_dump(
@@ -279,7 +282,23 @@ def test_sweep_resumes_after_its_driver_is_killed_within_its_step_budget(ray_ses
         )
     )
     sweep = tmp_path / "sweeps" / "resume"
-    driver = subprocess.Popen([sys.executable, "-m", "tune", "--config", str(sweep_file)], cwd=REPO)
+    command = [sys.executable, "-m", "tune", "--config", str(sweep_file)]
+    # Tune takes Ctrl-C while it runs (its handler, whatever the shell left): it saves the state, stops the trials.
+    with open(tmp_path / "interrupted.log", "w+") as log:
+        driver = subprocess.Popen(command, cwd=REPO, stderr=log)
+        try:
+            deadline = time.time() + 300
+            while not list((sweep / "trials").glob(METADATA_GLOB)):
+                assert driver.poll() is None and time.time() < deadline, "the sweep ended or stalled before Ctrl-C"
+                time.sleep(0.5)
+            driver.send_signal(signal.SIGINT)
+            assert driver.wait(timeout=120) == 130
+        finally:
+            driver.kill()
+        log.seek(0)
+        assert f"interrupted: sweep 'resume' saved its state in {sweep}: run it again" in log.read()
+    assert not (sweep / TRIALS_FILE).exists()  # not summarized as if it had ended: nothing would resume it
+    driver = subprocess.Popen(command, cwd=REPO)
     try:
         deadline = time.time() + 600
         # Kill the driver once two trials have finished (their exports exist) and others are under way.

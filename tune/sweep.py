@@ -293,7 +293,7 @@ def run_sweep_config(sweep: SweepConfig) -> SweepResult:
             callbacks=_callbacks(sweep, scheduler),
         ),
     )
-    return summarize(sweep, tuner.fit(), data_path)
+    return summarize(sweep, _ran_to_its_end(sweep, tuner.fit()), data_path)
 
 
 def _callbacks(sweep: SweepConfig, scheduler: ASHAScheduler | FIFOScheduler) -> list[Callback]:
@@ -310,7 +310,21 @@ def resume_sweep(path: str, sweep: SweepConfig | None = None) -> SweepResult:
         return _summary_from_files(sweep, path)
     trainable, data_path = _trainable(sweep)
     tuner = tune.Tuner.restore(storage.absolute(path), trainable=trainable, resume_unfinished=True, resume_errored=True)
-    return summarize(sweep, tuner.fit(), data_path)
+    return summarize(sweep, _ran_to_its_end(sweep, tuner.fit()), data_path)
+
+
+def _ran_to_its_end(sweep: SweepConfig, results: ResultGrid) -> ResultGrid:
+    """``results``, of a sweep that ended. On Ctrl-C Tune saves the sweep's state and returns as if it had ended,
+    having stopped the trials still running: summarized, the sweep would count as finished, and neither the same
+    command nor ``--resume`` would resume it. The state Tune saved last, before it stopped them, tells."""
+    saved = ExperimentAnalysis(results.experiment_path, storage_filesystem=results.filesystem).trials
+    if any(trial.status not in (Trial.TERMINATED, Trial.ERROR) for trial in saved):
+        path = sweep_dir(sweep)
+        raise KeyboardInterrupt(
+            f"sweep {sweep.name!r} saved its state in {path}: run it again with the same settings (or python -m "
+            f"tune --resume {path}) to resume it"
+        )
+    return results
 
 
 def _summary_from_files(sweep: SweepConfig, path: str) -> SweepResult:
