@@ -15,6 +15,16 @@ class StreamOptions(StrictBody):
     include_usage: bool = Field(False, description="Send the token usage in a last chunk with no choices.")
 
 
+# An empty stop sequence would end every text before its first token (vLLM refuses one too).
+StopText = Annotated[str, Field(min_length=1)]
+Stop = Annotated[
+    Annotated[StopText, Tag("text")] | Annotated[list[StopText], Field(max_length=4), Tag("texts")],
+    Discriminator(lambda value: "texts" if isinstance(value, list) else "text"),  # an error is that form's
+]
+# Fields whose errors name the form they took (a tag the message implies): dropped from the error's field path.
+TAGGED_FIELDS = ("prompt", "stop")
+
+
 class SamplingFields(StrictBody):
     model: str | None = Field(None, description="The served model's id (GET /v1/models); any other is a 404.")
     max_tokens: int = Field(16, ge=1, description="Tokens to generate at most; prompt + max_tokens <= context.")
@@ -22,9 +32,7 @@ class SamplingFields(StrictBody):
         1.0, ge=0.0, le=2.0, description="0 (or below 0.001) is greedy decoding; higher is more random."
     )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling; the most likely token always stays.")
-    stop: str | Annotated[list[str], Field(max_length=4)] | None = Field(
-        None, description="A sequence, or up to 4, that ends the text (not included)."
-    )
+    stop: Stop | None = Field(None, description="A sequence, or up to 4, that ends the text (not included).")
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Makes sampling repeatable, alone or in a batch.")
     n: int = Field(1, ge=1, le=8, description="Completions per prompt (its choice i is seeded seed + i).")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted once from generated tokens.")

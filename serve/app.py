@@ -31,7 +31,14 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
 
-from serve.api_bodies import ChatCompletionRequest, CompletionRequest, ErrorBody, ErrorDetail, SamplingFields
+from serve.api_bodies import (
+    TAGGED_FIELDS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorBody,
+    ErrorDetail,
+    SamplingFields,
+)
 from serve.config import ServeConfig, serve_config_from_dict
 from serve.engine import Chunk, ContinuousBatcher, GenerationParams, Sequence, joined
 from serve.engine_process import EngineProcess, EngineSpec
@@ -74,8 +81,8 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     if first["type"] == "json_invalid":
         return error_response(400, "the request body is not valid JSON")
     where = [str(part) for part in first["loc"][1:]]  # loc[0] is "body"
-    if where[:1] == ["prompt"] and len(where) > 1:
-        del where[1]  # the prompt's form, which the message implies
+    if len(where) > 1 and where[0] in TAGGED_FIELDS:
+        del where[1]  # the form the value took, which the message implies
     if not where:  # the body as a whole: not JSON (say, a form) or not an object
         return error_response(400, "the request body is not a JSON object")
     return error_response(400, f"{'.'.join(where)}: {first['msg']}", where[0])

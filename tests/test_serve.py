@@ -141,6 +141,8 @@ BAD_REQUESTS = [
     ({"prompt": "hi", "top_p": 0}, "top_p"),
     ({"prompt": "hi", "stop": [1]}, "stop"),
     ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"prompt": "hi", "stop": ""}, "stop"),  # it would end every text at once
+    ({"prompt": "hi", "stop": ["\n", ""]}, "stop.1: String should have at least 1 character"),
     ({"prompt": "hi", "seed": 1.5}, "seed"),
     ({"prompt": "hi", "seed": 2**64}, "seed"),
     ({"prompt": "hi", "seed": -1}, "seed"),
