@@ -59,7 +59,7 @@ def _parser() -> OneLineParser:
     for name, what in (
         ("logs", "one job's logs"),
         ("status", "one job's status"),
-        ("stop", "stop one job: SIGTERM, which a training run takes as Ctrl-C"),
+        ("stop", "stop one job: SIGTERM, which a training run or a sweep takes as Ctrl-C"),
     ):
         job = commands.add_parser(name, parents=[on_cluster], help=what)
         job.add_argument("job_id")

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import nbclient
@@ -261,8 +262,9 @@ def test_a_sweep_interrupted_or_whose_driver_is_killed_resumes_within_its_step_b
     ray_session, tiny_dataset, tmp_path, capsys
 ):
     """5 trials of 40 steps, a budget of 120. Ctrl-C once a trial has a checkpoint: the sweep saves its state and
-    says how to resume it. The same command resumes it, and is killed after two trials (80 steps); the same
-    command again resumes the sweep, which counts those and stops at 120 steps in all, not at 80 + 120."""
+    says how to resume it. The same command resumes it, and a SIGTERM (``ray job stop``) once a trial resumed does
+    the same. Resumed again, it is killed after two trials (80 steps); the same command again resumes the sweep,
+    which counts those and stops at 120 steps in all, not at 80 + 120."""
     sweep_file = tmp_path / "sweep-resume.yaml"
     sweep_file.write_text(
         yaml.safe_dump(
@@ -284,20 +286,15 @@ def test_a_sweep_interrupted_or_whose_driver_is_killed_resumes_within_its_step_b
     sweep = tmp_path / "sweeps" / "resume"
     command = [sys.executable, "-m", "tune", "--config", str(sweep_file)]
     # Tune takes Ctrl-C while it runs (its handler, whatever the shell left): it saves the state, stops the trials.
-    with open(tmp_path / "interrupted.log", "w+") as log:
-        driver = subprocess.Popen(command, cwd=REPO, stderr=log)
-        try:
-            deadline = time.time() + 300
-            while not list((sweep / "trials").glob(METADATA_GLOB)):
-                assert driver.poll() is None and time.time() < deadline, "the sweep ended or stalled before Ctrl-C"
-                time.sleep(0.5)
-            driver.send_signal(signal.SIGINT)
-            assert driver.wait(timeout=120) == 130
-        finally:
-            driver.kill()
-        log.seek(0)
-        assert f"interrupted: sweep 'resume' saved its state in {sweep}: run it again" in log.read()
+    log = tmp_path / "interrupted.log"
+    _interrupt(command, log, lambda: list((sweep / "trials").glob(METADATA_GLOB)), signal.SIGINT)
+    assert f"interrupted: sweep 'resume' saved its state in {sweep}: run it again" in log.read_text()
     assert not (sweep / TRIALS_FILE).exists()  # not summarized as if it had ended: nothing would resume it
+    # SIGTERM, once Tune runs the resumed sweep, is taken as Ctrl-C (Ray's own handler aborted the driver).
+    log = tmp_path / "terminated.log"
+    _interrupt(command, log, lambda: "resumed from" in log.read_text(), signal.SIGTERM)  # a trial's line, relayed
+    assert f"interrupted: sweep 'resume' saved its state in {sweep}: run it again" in log.read_text()
+    assert not (sweep / TRIALS_FILE).exists()
     driver = subprocess.Popen(command, cwd=REPO)
     try:
         deadline = time.time() + 600
@@ -330,6 +327,23 @@ def test_a_sweep_interrupted_or_whose_driver_is_killed_resumes_within_its_step_b
     assert_ended_trials_left_no_checkpoints(sweep)  # the trials the budget cut are over too
     exports = {p.parts[-3] for p in sweep.glob("trials/*/export/model.safetensors")}
     assert exports == set(trials[trials["steps"] == 40]["trial_id"])  # what else a trial wrote stays
+
+
+def _interrupt(command: list[str], log: Path, ready: Callable[[], bool], signum: signal.Signals) -> None:
+    """Run ``command`` (its output to ``log``), send it ``signum`` once ``ready()``, and see it exit with 130."""
+    with open(log, "w") as out:
+        driver = subprocess.Popen(
+            command, cwd=REPO, stdout=out, stderr=out, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
+        try:
+            deadline = time.time() + 300
+            while not ready():
+                assert driver.poll() is None and time.time() < deadline, f"the sweep ended or stalled before {signum}"
+                time.sleep(0.5)
+            driver.send_signal(signum)
+            assert driver.wait(timeout=120) == 130
+        finally:
+            driver.kill()
 
 
 def _checkpoint_reasons(trials: Path) -> dict[str, str]:

@@ -29,8 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     from tune.sweep import resume_sweep, run_sweep_config
 
     try:
-        result = resume_sweep(args.resume, sweep) if args.resume else run_sweep_config(sweep)
-    except KeyboardInterrupt as exc:  # Ctrl-C: Tune saved the sweep's state, which the same command resumes
+        if args.resume:
+            result = resume_sweep(args.resume, sweep, stop_on_sigterm=True)
+        else:
+            result = run_sweep_config(sweep, stop_on_sigterm=True)
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: Tune saved the sweep's state, which the same command resumes
         print(f"interrupted: {exc}" if str(exc) else "interrupted", file=sys.stderr)
         return 130
     print(result.trials.to_string(index=False))

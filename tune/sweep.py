@@ -34,7 +34,7 @@ from ray.util.state import list_actors
 from train import checkpoint, storage
 from train.config import TrainConfig
 from train.data import dataset_path
-from train.launch import ensure_dataset, init_ray, resources_offered
+from train.launch import ensure_dataset, init_ray, resources_offered, stop_gracefully_on_sigterm
 from train.preflight import check_before_ray, check_storage
 from train.schema import ConfigError, replace
 from tune.asha import AshaRungs
@@ -82,7 +82,7 @@ class SweepResult:
 TRAIN_TRIAL_CPU = 0.01
 
 
-def _trainable(sweep: SweepConfig):
+def _trainable(sweep: SweepConfig, stop_on_sigterm: bool):
     # Absolute paths for the trials: Tune runs each in a working directory of its own.
     sweep = replace(sweep, storage_path=storage.absolute(sweep.storage_root()))
     address = [f"run.ray_address={sweep.ray_address}"] if sweep.ray_address else []
@@ -94,6 +94,8 @@ def _trainable(sweep: SweepConfig):
     if init_ray(cfg, min_cpus=sweep.max_concurrent_trials * trial_cpus(sweep, cfg)):
         # A resource no node has (spot, on a laptop) would keep trials pending forever.
         sweep = replace(sweep, trial_resources=resources_offered(sweep.trial_resources, "trial_resources"))
+    if stop_on_sigterm:  # after ray.init, whose own SIGTERM handler aborts the driver with a stack dump
+        stop_gracefully_on_sigterm()
     data_path, manifest = ensure_dataset(cfg)  # prepared once by the driver, read by every trial
     data_path = storage.absolute(data_path)
     trainable = tune.with_parameters(run_trial, sweep=sweep, data_path=data_path, manifest=manifest)
@@ -256,10 +258,11 @@ def run_sweep(base_config: str, search_space: dict[str, dict], **options: Any) -
     return run_sweep_config(sweep_config_from_dict({"base": base_config, "space": search_space, **options}))
 
 
-def run_sweep_config(sweep: SweepConfig) -> SweepResult:
+def run_sweep_config(sweep: SweepConfig, stop_on_sigterm: bool = False) -> SweepResult:
     """Run ``sweep``. One of the same name that already ran with the same settings is not started over (seeded,
     it would propose and train the same trials): one that finished with no trial failed gives its summary, without
-    Ray; one that was interrupted, or had trials fail, resumes as ``resume_sweep`` does, as a training run does."""
+    Ray; one that was interrupted, or had trials fail, resumes as ``resume_sweep`` does, as a training run does.
+    ``stop_on_sigterm``: the command line's sweep, which a SIGTERM (``ray job stop``) interrupts as Ctrl-C does."""
     path = sweep_dir(sweep)
     if _ran_with(sweep, path):
         if _nothing_to_resume(path):
@@ -270,8 +273,8 @@ def run_sweep_config(sweep: SweepConfig) -> SweepResult:
                 f"sweep {sweep.name!r} ran with these settings and left trials unfinished or failed: resuming it "
                 "(give a new name to sweep again)"
             )
-            return resume_sweep(path, sweep)
-    trainable, data_path = _trainable(sweep)
+            return resume_sweep(path, sweep, stop_on_sigterm)
+    trainable, data_path = _trainable(sweep, stop_on_sigterm)
     if storage.exists(storage.join(path, TRIALS_FILE)):  # left by an earlier sweep of this name: this one runs now
         storage.delete_file(storage.join(path, TRIALS_FILE))
     # In the order given: a summary made from it (a resumed sweep's) has the columns of the sweep's own.
@@ -302,13 +305,14 @@ def _callbacks(sweep: SweepConfig, scheduler: ASHAScheduler | FIFOScheduler) -> 
     return progress + rungs + ([] if sweep.keep_trial_checkpoints else [DropEndedTrialCheckpoints(sweep)])
 
 
-def resume_sweep(path: str, sweep: SweepConfig | None = None) -> SweepResult:
+def resume_sweep(path: str, sweep: SweepConfig | None = None, stop_on_sigterm: bool = False) -> SweepResult:
     """Finish an interrupted sweep: finished trials are kept, unfinished ones resume from their checkpoints.
-    ``sweep``: its saved settings (``saved_sweep_config``), where the caller has read them already."""
+    ``sweep``: its saved settings (``saved_sweep_config``), where the caller has read them already;
+    ``stop_on_sigterm`` as for ``run_sweep_config``."""
     sweep = sweep or saved_sweep_config(path)
     if _nothing_to_resume(path):
         return _summary_from_files(sweep, path)
-    trainable, data_path = _trainable(sweep)
+    trainable, data_path = _trainable(sweep, stop_on_sigterm)
     tuner = tune.Tuner.restore(storage.absolute(path), trainable=trainable, resume_unfinished=True, resume_errored=True)
     return summarize(sweep, _ran_to_its_end(sweep, tuner.fit()), data_path)
 
