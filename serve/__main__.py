@@ -9,13 +9,12 @@ import argparse
 import errno
 import ipaddress
 import os
-import signal
 import socket
 import sys
 import time
 
 from serve.config import ServeConfig, load_serve_config
-from train.cli import config_parser, one_line_errors, print_config
+from train.cli import config_parser, one_line_errors, print_config, take_sigterm_as_ctrl_c
 from train.schema import ConfigError
 
 # How long after a SIGTERM Ray's processes take to show that the same signal reached them (the dashboard's die first).
@@ -78,10 +77,6 @@ def open_to_others_warning(host: str, ingress: str, api_key: str) -> str | None:
         return None
     key = "no API key is set (api_key_file or RAYWRIGHT_API_KEY)"
     return f"warning: {where}, and {key}: anyone who can reach it can use the model"
-
-
-def _interrupt(signum: int, frame) -> None:
-    raise KeyboardInterrupt  # SIGTERM stops the server as Ctrl-C does, whatever SIGINT's disposition
 
 
 def shut_down_serve(started_ray: bool) -> None:
@@ -175,9 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: HAProxy's stats and metrics listen on all interfaces (ports {ports})", file=sys.stderr)
     ray.init(address=os.environ.get("RAY_ADDRESS", "local"))
     node_id = ray.get_runtime_context().get_node_id()  # a local Ray's one node, where HAProxy runs
-    # After ray.init, which installs a SIGTERM handler of its own (a stack dump, exit 15), and before Serve starts:
-    # /ready answers before serve.run returns, and a stop sent then must stop the server as cleanly as later.
-    signal.signal(signal.SIGTERM, _interrupt)
+    # Before Serve starts: /ready answers before serve.run returns, and a stop sent then must stop the server as
+    # cleanly as later.
+    take_sigterm_as_ctrl_c()
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_app(cfg.to_dict()), name="raywright", route_prefix="/")

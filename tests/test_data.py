@@ -7,6 +7,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -241,6 +242,29 @@ def test_a_disk_that_fills_up_while_prepare_writes_is_one_line_and_left_as_it_wa
     said = rf"error: preparing {out}: no space left on the disk holding {small_disk} \(\d+\.\d MiB free\)"
     assert re.fullmatch(said, last), last
     assert [path.name for path in small_disk.iterdir()] == [filler.name]  # the partial dataset deleted
+
+
+@pytest.mark.cluster
+def test_prepare_stopped_while_it_writes_says_so_and_keeps_none_of_it(corpus_dir, tmp_path):
+    """SIGTERM (``kill``, ``ray job stop``) while the shards are written, as Ctrl-C: before, Ray's own handler
+    ended the command with a stack dump and exit code 15."""
+    out, log = tmp_path / "prepared", tmp_path / "prepare.log"
+    command = [sys.executable, "-m", "train.data", "prepare", "--source", str(corpus_dir), "--out", str(out)]
+    with open(log, "w") as stderr:
+        process = subprocess.Popen([*command, "--seq-len", "64"], stderr=stderr)
+
+    def writing() -> bool:  # its staging folder is made as the writing starts
+        return any(tmp_path.glob("prepared.preparing-*")) or process.poll() is not None
+
+    try:
+        wait_for_condition(writing, timeout=300, retry_interval_ms=20)
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+    finally:
+        process.kill()
+    lines = log.read_text().strip().splitlines()
+    assert process.returncode == 130 and lines[-1] == "interrupted", "\n".join(lines[-30:])
+    assert [path.name for path in tmp_path.iterdir()] == [log.name]  # nothing half-written, nor its staging
 
 
 @pytest.mark.cluster

@@ -12,7 +12,7 @@ import pytest
 from ray._common.test_utils import wait_for_condition
 
 from train import storage
-from train.launch import stop_gracefully_on_sigterm
+from train.cli import take_sigterm_as_ctrl_c
 from train.lease import LEASE, Lease, RunOwnedError
 from train.schema import ConfigError
 
@@ -80,7 +80,7 @@ def test_a_driver_that_lost_its_lease_stops(tmp_path, on_ctrl_c):
     which aborts that run's controller instead: what a training driver wants; invisible here.)"""
     run_uri = str(tmp_path / "run")
     previous = signal.signal(signal.SIGINT, on_ctrl_c), signal.getsignal(signal.SIGTERM)
-    stop_gracefully_on_sigterm()
+    take_sigterm_as_ctrl_c()
     start = time.monotonic()
     try:
         with pytest.raises(KeyboardInterrupt), Lease(run_uri, stale_after_s=0.5):

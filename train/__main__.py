@@ -36,10 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     except RunOwnedError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    # Ctrl-C or SIGTERM: before Ray Train trains, or its graceful abort of the run, which ends in Ray's SystemExit.
-    except (KeyboardInterrupt, SystemExit):
-        print("interrupted", file=sys.stderr)
-        return 130
+    except SystemExit:  # Ray Train's graceful abort of the run on Ctrl-C or SIGTERM ends in Ray's SystemExit
+        raise KeyboardInterrupt from None
     elastic = summary.elastic
     lines = {
         "run": summary.run_dir,

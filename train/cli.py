@@ -1,9 +1,11 @@
 """What the command lines of train, tune and serve share: ``--config``, ``--set``, ``--print-config``,
-a ``--help`` generated from the config's schema, and one line on stderr with exit code 2 for bad input."""
+a ``--help`` generated from the config's schema, one line on stderr with exit code 2 for bad input, and
+Ctrl-C or SIGTERM as ``interrupted`` with exit code 130."""
 
 import argparse
 import functools
 import os
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -63,7 +65,8 @@ def print_config(config: BaseModel) -> None:
 
 def one_line_errors(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
     """Wrap a CLI's ``main``: a ConfigError becomes ``config error: ...`` on stderr and exit code 2; a run that
-    stopped (diverged, out of disk space) or a full disk, ``error: ...`` and exit code 1."""
+    stopped (diverged, out of disk space) or a full disk, ``error: ...`` and exit code 1; Ctrl-C (or SIGTERM,
+    see ``take_sigterm_as_ctrl_c``), ``interrupted`` with what the interrupted work says of itself, and 130."""
 
     @functools.wraps(main)
     def wrapper(argv: list[str] | None = None) -> int:
@@ -75,8 +78,26 @@ def one_line_errors(main: Callable[[list[str] | None], int]) -> Callable[[list[s
         except (RunStopped, DiskFullError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt as exc:
+            print(f"interrupted: {exc}" if str(exc) else "interrupted", file=sys.stderr)
+            return 130
 
     return wrapper
+
+
+def take_sigterm_as_ctrl_c() -> None:
+    """Take SIGTERM (``kill``, ``docker stop``, systemd, and ``ray job stop`` first) as Ctrl-C: Python's
+    KeyboardInterrupt, or the graceful stop of Ray Train or Tune where they handle SIGINT. Call it after
+    ``ray.init``, whose own handler aborts the process with a stack dump. Where SIGINT is ignored, as in a
+    background job of a non-interactive shell, a KeyboardInterrupt still: a SIGTERM relayed as SIGINT went unheard."""
+
+    def as_ctrl_c(signum: int, frame) -> None:
+        on_ctrl_c = signal.getsignal(signal.SIGINT)
+        if not callable(on_ctrl_c):  # ignored, or left to the OS: no Python handler to call
+            raise KeyboardInterrupt
+        on_ctrl_c(signal.SIGINT, frame)
+
+    signal.signal(signal.SIGTERM, as_ctrl_c)
 
 
 def use_cpu_deepspeed_unless_gpu_workers(cfg: TrainConfig) -> None:

@@ -28,7 +28,7 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
 from train import storage
-from train.cli import OneLineParser, one_line_errors, setting_type
+from train.cli import OneLineParser, one_line_errors, setting_type, take_sigterm_as_ctrl_c
 from train.config import BPE_TRAIN_BYTES, DataConfig, TrainConfig, tokenizer_setting
 from train.manifest import MANIFEST, SPLITS, Manifest, SplitShards, write_manifest
 from train.model_config import ModelConfig
@@ -542,6 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    take_sigterm_as_ctrl_c()  # stopped, it keeps none of what it wrote
     manifest = prepare(data, args.out, args.seq_len)
     print(
         f"prepared {manifest.train.sequences} train and {manifest.val.sequences} validation "

@@ -3,7 +3,6 @@
 import contextlib
 import math
 import os
-import signal
 import subprocess
 import sys
 import uuid
@@ -21,7 +20,7 @@ from ray.train.torch import TorchConfig
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from train import checkpoint, storage
-from train.cli import use_cpu_deepspeed_unless_gpu_workers
+from train.cli import take_sigterm_as_ctrl_c, use_cpu_deepspeed_unless_gpu_workers
 from train.config import TrainConfig
 from train.data import dataset_path, prepare
 from train.evaluation import Evaluation
@@ -145,22 +144,6 @@ def say_what_the_cluster_lacks(cfg: TrainConfig) -> None:
         )
 
 
-def stop_gracefully_on_sigterm() -> None:
-    """Take SIGTERM (what ``ray job stop`` sends first) as Ctrl-C, which Ray Train turns into a
-    graceful abort: the run withdraws its autoscaler request, so its idle nodes are given back after
-    the idle timeout instead of after the request expires (3 more minutes of GPU nodes). Before Ray Train
-    trains (the dataset being prepared), a KeyboardInterrupt, even where SIGINT is ignored, as a background
-    job of a non-interactive shell starts: there a SIGTERM relayed as SIGINT went unheard."""
-
-    def as_ctrl_c(signum: int, frame) -> None:
-        on_ctrl_c = signal.getsignal(signal.SIGINT)
-        if not callable(on_ctrl_c):  # ignored, or left to the OS: no Python handler to call
-            raise KeyboardInterrupt
-        on_ctrl_c(signal.SIGINT, frame)
-
-    signal.signal(signal.SIGTERM, as_ctrl_c)
-
-
 def set_ray_train_env(cfg: TrainConfig) -> None:
     """Ray Train reads these from the driver's environment and passes them to its controller and workers.
 
@@ -270,8 +253,8 @@ def _train_holding_lease(cfg: TrainConfig, stop_on_sigterm: bool) -> RunSummary:
         cfg = replace(cfg, scaling=replace(cfg.scaling, resources_per_worker=offered))
     else:
         say_what_the_cluster_lacks(cfg)
-    if stop_on_sigterm:
-        stop_gracefully_on_sigterm()  # after ray.init, which installs a SIGTERM handler of its own
+    if stop_on_sigterm:  # Ray Train's graceful abort withdraws the run's autoscaler request: its nodes go back
+        take_sigterm_as_ctrl_c()  # after the idle timeout, not 3 minutes later when the request expires
     data_path, manifest = ensure_dataset(cfg)
     run = run_uri(cfg)
     timeline_name = f"{TIMELINE_PREFIX}{cfg.run.name}-{uuid.uuid4().hex[:8]}"

@@ -28,14 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     use_cpu_deepspeed_unless_gpu_workers(sweep.base_config())  # before tune.sweep loads DeepSpeed
     from tune.sweep import resume_sweep, run_sweep_config
 
-    try:
-        if args.resume:
-            result = resume_sweep(args.resume, sweep, stop_on_sigterm=True)
-        else:
-            result = run_sweep_config(sweep, stop_on_sigterm=True)
-    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: Tune saved the sweep's state, which the same command resumes
-        print(f"interrupted: {exc}" if str(exc) else "interrupted", file=sys.stderr)
-        return 130
+    # Ctrl-C or SIGTERM: Tune saves the sweep's state, and the KeyboardInterrupt says how to resume it.
+    if args.resume:
+        result = resume_sweep(args.resume, sweep, stop_on_sigterm=True)
+    else:
+        result = run_sweep_config(sweep, stop_on_sigterm=True)
     print(result.trials.to_string(index=False))
     print(f"\nbest: trial {result.best.trial_id}, val_loss {result.best.val_loss:.4f}")
     print(f"best recipe: {result.best_recipe}   (python -m train --config {result.best_recipe})")

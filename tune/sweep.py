@@ -32,9 +32,10 @@ from ray.tune.stopper import Stopper
 from ray.util.state import list_actors
 
 from train import checkpoint, storage
+from train.cli import take_sigterm_as_ctrl_c
 from train.config import TrainConfig
 from train.data import dataset_path
-from train.launch import ensure_dataset, init_ray, resources_offered, stop_gracefully_on_sigterm
+from train.launch import ensure_dataset, init_ray, resources_offered
 from train.preflight import check_before_ray, check_storage
 from train.schema import ConfigError, replace
 from tune.asha import AshaRungs
@@ -94,8 +95,8 @@ def _trainable(sweep: SweepConfig, stop_on_sigterm: bool):
     if init_ray(cfg, min_cpus=sweep.max_concurrent_trials * trial_cpus(sweep, cfg)):
         # A resource no node has (spot, on a laptop) would keep trials pending forever.
         sweep = replace(sweep, trial_resources=resources_offered(sweep.trial_resources, "trial_resources"))
-    if stop_on_sigterm:  # after ray.init, whose own SIGTERM handler aborts the driver with a stack dump
-        stop_gracefully_on_sigterm()
+    if stop_on_sigterm:  # Tune then saves the sweep's state and stops its trials
+        take_sigterm_as_ctrl_c()
     data_path, manifest = ensure_dataset(cfg)  # prepared once by the driver, read by every trial
     data_path = storage.absolute(data_path)
     trainable = tune.with_parameters(run_trial, sweep=sweep, data_path=data_path, manifest=manifest)
