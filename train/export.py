@@ -91,12 +91,13 @@ def save_export(
     provenance: ExportProvenance | None,
 ) -> None:
     """Write the model directory; ``config.json`` goes last, as it is what makes the directory a model. Where a write
-    after the weights' fails, an earlier export's ``config.json`` goes: its files are no longer of one model."""
+    after the weights' fails or is interrupted, an earlier export's ``config.json`` goes: its files are no longer of
+    one model."""
     weights = save_safetensors(to_hf_state(state), metadata={"format": "pt"})  # transformers checks the format
     storage.write_bytes(storage.join(uri, WEIGHTS), weights)  # whole or not at all: an earlier export stays whole
     try:
         _save_beside_weights(model_config, tokenizer, uri, provenance)
-    except OSError:
+    except BaseException:
         with contextlib.suppress(OSError):
             storage.delete_file(storage.join(uri, CONFIG))
         raise
