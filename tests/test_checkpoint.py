@@ -16,6 +16,7 @@ from train.ds_config import build_engine
 from train.export_checkpoint import check_out, default_out, find_checkpoint
 from train.model import GPT
 from train.preflight import check_resume
+from train.run_layout import resolve_export
 from train.schema import ConfigError
 from train.tokenizer import ByteTokenizer
 
@@ -242,3 +243,18 @@ def test_the_checkpoint_to_export_is_chosen_by_run_step_or_directory_and_a_bad_c
     with pytest.raises(ConfigError, match="holds files that are not a raywright export"):
         check_out(f"{tmp_path}/mine")
     check_out(f"{tmp_path}/new")
+
+
+def test_a_run_without_its_export_is_served_from_the_export_of_a_checkpoint_it_names(tmp_path):
+    """Serving a run that has not ended points to ``export_checkpoint``, then to what that wrote (which serving
+    does not pick by itself: a run's end replaces its export/)."""
+    run = tmp_path / "run"
+    _step(run, 10, complete=True)
+    with pytest.raises(FileNotFoundError, match=r"first \(python -m train.export_checkpoint .*run\) and give the dir"):
+        resolve_export(str(run))
+    for step in (10, 20):
+        storage.write_json(f"{run}/exports/step_{step:08d}/config.json", {})
+    storage.write_bytes(f"{run}/exports/step_00000030/model.safetensors", b"")  # being written: no config.json yet
+    with pytest.raises(FileNotFoundError, match=f"the newest: {run}/exports/step_00000020\\) or make one"):
+        resolve_export(str(run))
+    assert resolve_export(f"{run}/exports/step_00000020") == f"{run}/exports/step_00000020"

@@ -103,7 +103,8 @@ def test_zero_stages_1_2_3_learn_the_same_thing(tiny_config):
         out = f"{run_dir}/exports/step_00000020"
         command = [sys.executable, "-m", "train.export_checkpoint", run_dir, "--step", "20"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0 and f"to {out}" in done.stdout, done.stderr[-3000:]
+        said = f"to {out} (to serve it: python -m serve --checkpoint {out})"
+        assert done.returncode == 0 and said in done.stdout, done.stderr[-3000:]
         later = load_exported(out)
         assert later.provenance.step == 20 and later.provenance.code_version
         assert all(torch.equal(tensor, at_step_20[name]) for name, tensor in later.model.state_dict().items())

@@ -18,10 +18,10 @@ from train.cli import OneLineParser, one_line_errors
 from train.config import config_from_dict
 from train.export import PROVENANCE, ExportProvenance, export_model
 from train.provenance import Provenance
+from train.run_layout import EXPORTS
 from train.schema import ConfigError, replace
 from train.tokenizer import load_tokenizer
 
-EXPORTS = "exports"
 # What an export's provenance takes from the checkpoint's metadata: its origin, step and config.
 ORIGIN = {*Provenance.model_fields, "step", "config"}
 
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     out = storage.absolute(args.out) if args.out else default_out(ckpt)
     check_out(out)
     export_checkpoint(ckpt, out)
-    print(f"exported {ckpt.uri} (step {ckpt.step}) to {out}")
+    print(f"exported {ckpt.uri} (step {ckpt.step}) to {out} (to serve it: python -m serve --checkpoint {out})")
     return 0
 
 
