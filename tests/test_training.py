@@ -35,7 +35,7 @@ def _train_losses(cfg) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in read_metrics(run_uri(cfg)) if "loss" in m}
 
 
-def test_zero_stages_1_2_3_learn_the_same_thing(tiny_config):
+def test_zero_stages_1_2_3_learn_the_same_thing(tiny_config, tmp_path):
     losses, cfg_of = {}, {}
     for stage in (1, 2, 3):
         cfg = tiny_config(
@@ -95,6 +95,25 @@ def test_zero_stages_1_2_3_learn_the_same_thing(tiny_config):
     )
     assert resumed.steps == 25
     assert load_exported(resumed.export).provenance.config["deepspeed"]["zero_stage"] == 3
+
+    # Stopped (SIGTERM) while it converts the 2 workers' ZeRO-3 shards, an export says so and leaves neither the
+    # export nor its scratch copy of the state (killed before, it left that copy: GBs for a real model).
+    scratch, out = tmp_path / "scratch", f"{resumed.run_dir}/exports/step_00000020"
+    scratch.mkdir()
+    command = [sys.executable, "-m", "train.export_checkpoint", resumed.run_dir, "--step", "20"]
+    stopped = subprocess.Popen(command, env={**os.environ, "TMPDIR": str(scratch)}, stderr=subprocess.PIPE, text=True)
+
+    def converting() -> bool:
+        return any(scratch.glob("*/universal")) or stopped.poll() is not None
+
+    try:
+        wait_for_condition(converting, timeout=120, retry_interval_ms=20)
+        stopped.send_signal(signal.SIGTERM)
+        said = stopped.communicate(timeout=60)[1]
+    finally:
+        stopped.kill()
+    assert stopped.returncode == 130 and said.strip().splitlines()[-1] == "interrupted", said[-3000:]
+    assert list(scratch.iterdir()) == [] and not os.path.exists(out)
 
     # A checkpoint exported afterwards, in one process, holds exactly what its run exported at that step: through
     # the universal conversion of its 2 workers' ZeRO-3 shards, and from the whole state of a stage-0 checkpoint.

@@ -14,7 +14,7 @@ import tempfile
 import torch
 
 from train import checkpoint, storage
-from train.cli import OneLineParser, one_line_errors
+from train.cli import OneLineParser, one_line_errors, take_sigterm_as_ctrl_c
 from train.config import config_from_dict
 from train.export import PROVENANCE, ExportProvenance, export_model
 from train.provenance import Provenance
@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = find_checkpoint(args.location, args.step)
     out = storage.absolute(args.out) if args.out else default_out(ckpt)
     check_out(out)
+    take_sigterm_as_ctrl_c()  # stopped, it leaves neither a half-written export nor its scratch copy of the state
     export_checkpoint(ckpt, out)
     print(f"exported {ckpt.uri} (step {ckpt.step}) to {out} (to serve it: python -m serve --checkpoint {out})")
     return 0
