@@ -4,11 +4,13 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sysconfig
 import tempfile
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +62,29 @@ def training_worker_pids() -> list[int]:
 
     alive = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
     return [actor.pid for actor in alive]
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def interrupt_when(
+    command: list[str], log: Path, ready: Callable[[], bool], signum: int = signal.SIGTERM, env: dict | None = None
+) -> None:
+    """Run ``command`` (stdout and stderr to ``log``, unbuffered), send it ``signum`` once ``ready()``, and see it
+    exit with 130, as a command stopped by Ctrl-C or SIGTERM does."""
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            command, cwd=REPO, stdout=out, stderr=out, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        )
+        try:
+            deadline = time.time() + 300
+            while not ready():
+                assert process.poll() is None and time.time() < deadline, f"it ended or stalled before {signum}"
+                time.sleep(0.02)
+            process.send_signal(signum)
+            assert process.wait(timeout=120) == 130, log.read_text()[-3000:]
+        finally:
+            process.kill()
 
 
 S3_BUCKET = "raywright-test"

@@ -7,7 +7,6 @@ import os
 import random
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,7 @@ import ray.data
 from ray._common.test_utils import wait_for_condition
 from ray.data._internal.logging import get_log_directory
 
-from tests.conftest import fill, write_a_prepared_dataset
+from tests.conftest import fill, interrupt_when, write_a_prepared_dataset
 from train.config import DataConfig, load_config
 from train.data import (
     LAGGING_NO_CPU_WARNING,
@@ -250,20 +249,10 @@ def test_prepare_stopped_while_it_writes_says_so_and_keeps_none_of_it(corpus_dir
     ended the command with a stack dump and exit code 15."""
     out, log = tmp_path / "prepared", tmp_path / "prepare.log"
     command = [sys.executable, "-m", "train.data", "prepare", "--source", str(corpus_dir), "--out", str(out)]
-    with open(log, "w") as stderr:
-        process = subprocess.Popen([*command, "--seq-len", "64"], stderr=stderr)
-
-    def writing() -> bool:  # its staging folder is made as the writing starts
-        return any(tmp_path.glob("prepared.preparing-*")) or process.poll() is not None
-
-    try:
-        wait_for_condition(writing, timeout=300, retry_interval_ms=20)
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=60)
-    finally:
-        process.kill()
+    # Its staging folder is made as the writing starts.
+    interrupt_when([*command, "--seq-len", "64"], log, lambda: any(tmp_path.glob("prepared.preparing-*")))
     lines = log.read_text().strip().splitlines()
-    assert process.returncode == 130 and lines[-1] == "interrupted", "\n".join(lines[-30:])
+    assert lines[-1] == "interrupted", "\n".join(lines[-30:])
     assert [path.name for path in tmp_path.iterdir()] == [log.name]  # nothing half-written, nor its staging
 
 

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import nbclient
@@ -20,6 +19,7 @@ from ray.tune import Result
 from ray.util.state import list_actors
 
 from cluster.drain import drain_node
+from tests.conftest import interrupt_when
 from train.config import load_config
 from train.launch import run_training
 from train.schema import ConfigError
@@ -287,12 +287,12 @@ def test_a_sweep_interrupted_or_whose_driver_is_killed_resumes_within_its_step_b
     command = [sys.executable, "-m", "tune", "--config", str(sweep_file)]
     # Tune takes Ctrl-C while it runs (its handler, whatever the shell left): it saves the state, stops the trials.
     log = tmp_path / "interrupted.log"
-    _interrupt(command, log, lambda: list((sweep / "trials").glob(METADATA_GLOB)), signal.SIGINT)
+    interrupt_when(command, log, lambda: list((sweep / "trials").glob(METADATA_GLOB)), signal.SIGINT)
     assert f"interrupted: sweep 'resume' saved its state in {sweep}: run it again" in log.read_text()
     assert not (sweep / TRIALS_FILE).exists()  # not summarized as if it had ended: nothing would resume it
     # SIGTERM, once Tune runs the resumed sweep, is taken as Ctrl-C (Ray's own handler aborted the driver).
     log = tmp_path / "terminated.log"
-    _interrupt(command, log, lambda: "resumed from" in log.read_text(), signal.SIGTERM)  # a trial's line, relayed
+    interrupt_when(command, log, lambda: "resumed from" in log.read_text())  # a trial's line, relayed
     assert f"interrupted: sweep 'resume' saved its state in {sweep}: run it again" in log.read_text()
     assert not (sweep / TRIALS_FILE).exists()
     driver = subprocess.Popen(command, cwd=REPO)
@@ -327,23 +327,6 @@ def test_a_sweep_interrupted_or_whose_driver_is_killed_resumes_within_its_step_b
     assert_ended_trials_left_no_checkpoints(sweep)  # the trials the budget cut are over too
     exports = {p.parts[-3] for p in sweep.glob("trials/*/export/model.safetensors")}
     assert exports == set(trials[trials["steps"] == 40]["trial_id"])  # what else a trial wrote stays
-
-
-def _interrupt(command: list[str], log: Path, ready: Callable[[], bool], signum: signal.Signals) -> None:
-    """Run ``command`` (its output to ``log``), send it ``signum`` once ``ready()``, and see it exit with 130."""
-    with open(log, "w") as out:
-        driver = subprocess.Popen(
-            command, cwd=REPO, stdout=out, stderr=out, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-        )
-        try:
-            deadline = time.time() + 300
-            while not ready():
-                assert driver.poll() is None and time.time() < deadline, f"the sweep ended or stalled before {signum}"
-                time.sleep(0.5)
-            driver.send_signal(signum)
-            assert driver.wait(timeout=120) == 130
-        finally:
-            driver.kill()
 
 
 def _checkpoint_reasons(trials: Path) -> dict[str, str]:
