@@ -15,7 +15,7 @@ import nbformat
 import pandas as pd
 import pytest
 import yaml
-from ray.tune import Result
+from ray.tune import ExperimentAnalysis, Result, ResultGrid
 from ray.util.state import list_actors
 
 from cluster.drain import drain_node
@@ -30,6 +30,7 @@ from tune.sweep import (
     BestTrial,
     SweepResult,
     _nothing_to_resume,
+    _ran_to_its_end,
     _ran_with,
     check_best_recipe_path,
     resume_sweep,
@@ -412,6 +413,20 @@ def test_a_sweep_ends_once_its_step_budget_is_spent(ray_session, tiny_dataset, t
     # Another setting is another sweep.
     sweep = yaml.safe_load((Path(result.path) / SWEEP_FILE).read_text())
     assert not _ran_with(sweep_config_from_dict({**sweep, "step_budget": 80}), result.path)
+    # Its trials all ended, fewer than it has: the budget ended it. Had it none, Tune's saved state would be that of
+    # a sweep interrupted between two trials, with trials left to run: to resume, not to summarize as finished.
+    saved_state = ResultGrid(ExperimentAnalysis(result.path))
+    with pytest.raises(KeyboardInterrupt, match="to resume it"):
+        _ran_to_its_end(sweep_config_from_dict({**sweep, "step_budget": 0}), saved_state)
+
+
+@pytest.mark.cluster
+def test_a_sweep_ends_once_a_trial_reaches_its_target(ray_session, tiny_dataset, tmp_path):
+    """target: a val_loss of 4.0, which trials reach at their first evaluation (step 10 of 40). The sweep ends
+    there, with fewer trials than its 4, and has finished: not taken for a sweep interrupted between trials."""
+    result = short_sweep(tmp_path, "target", {"optim.lr": {"choice": [3e-3]}}, num_trials=4, target=4.0)
+    assert len(result.trials) < 4 and result.trials["stopped_early"].all(), result.trials
+    assert result.best.val_loss <= 4.0 and result.trials["steps"].max() < 40
 
 
 @pytest.mark.cluster

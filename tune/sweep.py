@@ -133,6 +133,13 @@ class SweepBudget(Stopper):
         self.best = min(self.best, result.get(self.metric, float("inf")))
         return False  # trials are ASHA's to stop; this only ends the whole sweep
 
+    def count_restored(self, trials: list[Trial]) -> "SweepBudget":
+        """Counts what ``trials``, of a saved sweep, reported last (their steps, their evaluations)."""
+        for trial in trials:
+            if "step" in trial.last_result:
+                self(trial.trial_id, trial.last_result)
+        return self
+
     def stop_all(self) -> bool:
         spent_all = 0 < self.step_budget <= self.spent
         return spent_all or (self.target is not None and self.best <= self.target)
@@ -157,9 +164,7 @@ class DropEndedTrialCheckpoints(Callback):
             return
         # Once, before the first step starts a trial (a started trial's last_result waits for its actor).
         self.counted_restored = True
-        for trial in trials:
-            if "step" in trial.last_result:
-                self.budget(trial.trial_id, trial.last_result)
+        self.budget.count_restored(trials)
 
     def on_trial_result(self, iteration: int, trials: list[Trial], trial: Trial, result: dict, **info) -> None:
         self.budget(trial.trial_id, result)
@@ -321,9 +326,12 @@ def resume_sweep(path: str, sweep: SweepConfig | None = None, stop_on_sigterm: b
 def _ran_to_its_end(sweep: SweepConfig, results: ResultGrid) -> ResultGrid:
     """``results``, of a sweep that ended. On Ctrl-C Tune saves the sweep's state and returns as if it had ended,
     having stopped the trials still running: summarized, the sweep would count as finished, and neither the same
-    command nor ``--resume`` would resume it. The state Tune saved last, before it stopped them, tells."""
+    command nor ``--resume`` would resume it. The state Tune saved last, before it stopped them, tells: a trial
+    still running then, or, interrupted between two trials, fewer trials than the sweep has with its budget and
+    target not reached."""
     saved = ExperimentAnalysis(results.experiment_path, storage_filesystem=results.filesystem).trials
-    if any(trial.status not in (Trial.TERMINATED, Trial.ERROR) for trial in saved):
+    all_ended = all(trial.status in (Trial.TERMINATED, Trial.ERROR) for trial in saved)
+    if not all_ended or (len(saved) < sweep.num_trials and not SweepBudget(sweep).count_restored(saved).stop_all()):
         path = sweep_dir(sweep)
         raise KeyboardInterrupt(
             f"sweep {sweep.name!r} saved its state in {path}: run it again with the same settings (or python -m "
