@@ -11,10 +11,11 @@ from train.config import load_config
 from train.ds_config import build_engine
 from train.evaluation import Evaluation
 from train.export import PROVENANCE, ExportProvenance, export_model, load_exported, read_provenance, save_export
+from train.export_checkpoint import check_out
 from train.hf_gpt2 import CONFIG, WEIGHTS
 from train.model import GPT
 from train.schema import ConfigError
-from train.tokenizer import ByteTokenizer, train_bpe
+from train.tokenizer import TOKENIZER_FILE, ByteTokenizer, train_bpe
 
 SAMPLES = [MEMORIZED_TEXT, "def f(x):\n\treturn  x  # 日本語\n", "naïve café, 中文 and   spaces\r\n"]
 
@@ -103,3 +104,20 @@ def test_an_export_over_an_earlier_one_that_fails_after_its_weights_is_no_longer
     with pytest.raises(IsADirectoryError):
         save_export(GPT(cfg.model).state_dict(), cfg.model, tokenizer, str(tmp_path), None)
     assert not (tmp_path / CONFIG).exists() and (tmp_path / WEIGHTS).exists()
+
+
+@pytest.mark.unit
+def test_an_export_to_a_new_directory_stopped_after_its_weights_can_be_run_again(tmp_path):
+    """Stopped between its weights and its training record (Ctrl-C, a full disk), an export to a new directory left
+    one that export_checkpoint refused to replace, as not a raywright export; the record is now written first."""
+    tokenizer = ByteTokenizer()
+    cfg = load_config("tiny", [f"model.vocab_size={tokenizer.vocab_size}"])
+    out = tmp_path / "new"
+    (out / TOKENIZER_FILE).mkdir(parents=True)  # what a write after the weights' cannot replace
+    with pytest.raises(IsADirectoryError):
+        save_export(GPT(cfg.model).state_dict(), cfg.model, tokenizer, str(out), None)
+    assert (out / WEIGHTS).exists() and not (out / CONFIG).exists()
+    (out / TOKENIZER_FILE).rmdir()
+    check_out(str(out))
+    save_export(GPT(cfg.model).state_dict(), cfg.model, tokenizer, str(out), None)
+    assert load_exported(str(out)).tokenizer.spec() == tokenizer.spec()

@@ -92,7 +92,10 @@ def save_export(
 ) -> None:
     """Write the model directory; ``config.json`` goes last, as it is what makes the directory a model. Where a write
     after the weights' fails or is interrupted, an earlier export's ``config.json`` goes: its files are no longer of
-    one model."""
+    one model. A new directory gets ``raywright.json`` first: stopped before its end, however, it is still one that
+    an export may replace (``export_checkpoint`` replaces nothing else)."""
+    if not storage.exists(storage.join(uri, PROVENANCE)):
+        _save_provenance(model_config, tokenizer, uri, provenance)
     weights = save_safetensors(to_hf_state(state), metadata={"format": "pt"})  # transformers checks the format
     storage.write_bytes(storage.join(uri, WEIGHTS), weights)  # whole or not at all: an earlier export stays whole
     try:
@@ -115,6 +118,13 @@ def _save_beside_weights(
     storage.write_json(storage.join(uri, "special_tokens_map.json"), special)
     eot = tokenizer.eot_id
     storage.write_json(storage.join(uri, "generation_config.json"), {"bos_token_id": eot, "eos_token_id": eot})
+    _save_provenance(model_config, tokenizer, uri, provenance)
+    storage.write_json(storage.join(uri, CONFIG), hf_config(model_config, eot))
+
+
+def _save_provenance(
+    model_config: ModelConfig, tokenizer: BPETokenizer, uri: str, provenance: ExportProvenance | None
+) -> None:
     storage.write_json(
         storage.join(uri, PROVENANCE),
         {
@@ -123,7 +133,6 @@ def _save_beside_weights(
             "provenance": provenance.model_dump() if provenance else None,
         },
     )
-    storage.write_json(storage.join(uri, CONFIG), hf_config(model_config, eot))
 
 
 def read_provenance(uri: str) -> ExportProvenance | None:
