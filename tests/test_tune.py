@@ -3,6 +3,7 @@
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,9 +22,13 @@ from ray.util.state import list_actors
 from cluster.drain import drain_node
 from tests.conftest import interrupt_when
 from train.config import load_config
+from train.export import save_export
 from train.launch import run_training
+from train.model import GPT
 from train.schema import ConfigError
+from train.tokenizer import ByteTokenizer
 from tune.__main__ import main as tune_main
+from tune.__main__ import print_summary
 from tune.config import SWEEP_DIR, SWEEP_FILE, load_sweep_config, sweep_config_from_dict
 from tune.sweep import (
     TRIALS_FILE,
@@ -427,6 +432,51 @@ def test_a_sweep_ends_once_a_trial_reaches_its_target(ray_session, tiny_dataset,
     result = short_sweep(tmp_path, "target", {"optim.lr": {"choice": [3e-3]}}, num_trials=4, target=4.0)
     assert len(result.trials) < 4 and result.trials["stopped_early"].all(), result.trials
     assert result.best.val_loss <= 4.0 and result.trials["steps"].max() < 40
+
+
+@pytest.mark.cluster
+def test_failed_trials_are_named_with_their_error_and_resume_runs_them_again(
+    ray_session, tiny_dataset, tmp_path, capsys
+):
+    """Trials that start from a model directory deleted once the sweep was checked fail (max_failures 0: at once),
+    the others run. The summary names each failed trial's error, where its traceback is, and the command that runs
+    them again: once the directory is back, that command trains them."""
+    cfg = load_config("tiny")
+    base, why = tmp_path / "base", "no config.json; not a Hugging Face model directory"
+    save_export(GPT(cfg.model).state_dict(), cfg.model, ByteTokenizer(), str(base), None)
+    sweep = sweep_config_from_dict(
+        {
+            "name": "fails",
+            "base": "tiny",
+            "set": ["optim.max_steps=20", *SHORT[1:]],
+            "space": {"model.init_from": {"choice": ["", str(base)]}},
+            "num_trials": 4,
+            "max_failures": 0,
+            "max_concurrent_trials": 2,
+            "early_stopping": "none",
+            "trial_resources": {"CPU": 1},
+            "storage_path": str(tmp_path),
+            "ray_address": ray_session.address,
+        }
+    )
+    shutil.rmtree(base)
+    result = run_sweep_config(sweep)
+    failed = result.trials[result.trials["error"]]
+    assert 0 < len(failed) < 4 and (failed["model.init_from"] == str(base)).all(), result.trials
+    assert [trial.trial_id for trial in result.failed] == list(failed["trial_id"])
+    print_summary(result)
+    printed = capsys.readouterr().out
+    for trial in result.failed:
+        assert trial.error == f"train.schema.ConfigError: model.init_from: {base}: {why}"
+        assert f"trial {trial.trial_id} failed: {trial.error}\n  (its traceback: {trial.error_file})" in printed
+        assert trial.error in Path(trial.error_file).read_text()
+    assert f"to run the failed trials again: python -m tune --resume {result.path}\n" in printed
+    save_export(GPT(cfg.model).state_dict(), cfg.model, ByteTokenizer(), str(base), None)
+    rerun = subprocess.run(
+        [sys.executable, "-m", "tune", "--resume", result.path], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert rerun.returncode == 0 and "failed:" not in rerun.stdout, rerun.stdout + rerun.stderr[-3000:]
+    assert (pd.read_csv(Path(result.path) / TRIALS_FILE)["steps"] == 20).all()
 
 
 @pytest.mark.cluster

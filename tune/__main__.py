@@ -1,9 +1,13 @@
 """python -m tune --config SWEEP [--set key=value ...]  |  python -m tune --resume SWEEP_DIR   (--help: settings)"""
 
 import sys
+from typing import TYPE_CHECKING
 
 from train.cli import config_parser, one_line_errors, print_config, use_cpu_deepspeed_unless_gpu_workers
 from tune.config import SweepConfig, load_sweep_config, saved_sweep_config, sweep_names
+
+if TYPE_CHECKING:  # tune.sweep loads DeepSpeed, which must wait for use_cpu_deepspeed_unless_gpu_workers
+    from tune.sweep import SweepResult
 
 
 @one_line_errors
@@ -33,11 +37,19 @@ def main(argv: list[str] | None = None) -> int:
         result = resume_sweep(args.resume, sweep, stop_on_sigterm=True)
     else:
         result = run_sweep_config(sweep, stop_on_sigterm=True)
+    print_summary(result)
+    return 0
+
+
+def print_summary(result: "SweepResult") -> None:
     print(result.trials.to_string(index=False))
+    for trial in result.failed:
+        print(f"\ntrial {trial.trial_id} failed: {trial.error}\n  (its traceback: {trial.error_file})")
+    if result.failed:
+        print(f"to run the failed trials again: python -m tune --resume {result.path}")
     print(f"\nbest: trial {result.best.trial_id}, val_loss {result.best.val_loss:.4f}")
     print(f"best recipe: {result.best_recipe}   (python -m train --config {result.best_recipe})")
     print(f"sweep directory: {result.path}")
-    return 0
 
 
 if __name__ == "__main__":

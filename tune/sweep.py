@@ -68,6 +68,15 @@ class BestTrial:
         return cls(values["trial_id"], values["val_loss"], values["steps"], {key: values[key] for key in space_keys})
 
 
+@dataclass(frozen=True)
+class FailedTrial:
+    """A trial that failed more than ``max_failures`` times; ``--resume`` runs it again."""
+
+    trial_id: str
+    error: str  # the last line of its error: the exception and its message
+    error_file: str  # the whole traceback, in the sweep directory
+
+
 @dataclass
 class SweepResult:
     path: str  # the sweep directory
@@ -76,6 +85,7 @@ class SweepResult:
     best_recipe: str  # path of the train recipe with the best parameters
     plots: list[str]
     curves: dict[str, pd.DataFrame]  # trial id -> its evaluations: step, metric, time
+    failed: list[FailedTrial]
 
 
 # With Train workers the trial's process only drives them: a sliver of CPU, on any node (the head too, which
@@ -362,7 +372,7 @@ def _nothing_to_resume(path: str) -> bool:
 def summarize(sweep: SweepConfig, results, data_path: str) -> SweepResult:
     """The trials table, the best recipe and the plots of a finished sweep."""
     max_steps = sweep.base_config().optim.max_steps
-    rows, curves = [], {}
+    rows, curves, failed = [], {}, []
     for result in results:
         history = result.metrics_dataframe
         reported = history is not None and sweep.metric in history
@@ -385,6 +395,9 @@ def summarize(sweep: SweepConfig, results, data_path: str) -> SweepResult:
         }
         if reported:
             curves[row["trial_id"]] = history[["step", sweep.metric, "time"]].drop_duplicates("step", keep="last")
+        if result.error is not None:
+            error_file = storage.join(sweep_dir(sweep), os.path.basename(result.path), "error.txt")
+            failed.append(FailedTrial(row["trial_id"], str(result.error).strip().splitlines()[-1], error_file))
         rows.append(row)
     if not curves:
         raise RuntimeError(f"sweep {sweep.name}: no trial reported {sweep.metric}; see the logs in {sweep_dir(sweep)}")
@@ -394,7 +407,7 @@ def summarize(sweep: SweepConfig, results, data_path: str) -> SweepResult:
     storage.write_bytes(storage.join(path, TRIALS_FILE), trials.to_csv(index=False).encode())
     recipe = write_best_recipe(sweep, best, data_path)
     plots = save_plots(sweep, trials, curves, path)
-    return SweepResult(path, trials, best, recipe, plots, curves)
+    return SweepResult(path, trials, best, recipe, plots, curves, failed)
 
 
 def _best(trials: pd.DataFrame, space_keys: list[str]) -> BestTrial:
