@@ -58,6 +58,8 @@ CASES = [
     ("train --set run.storage_path={tmp}/edited-record", "tiny/timeline.json is not a run timeline this raywright"),
     ("train --set run.storage_path={tmp}/owned", f"being trained by another driver (pid {os.getpid()}"),
     ("train --bogus", "unrecognized arguments: --bogus"),
+    # No directory can be made there, though root may write to /proc (a user may not: refused before the write).
+    ("train --set run.storage_path=/proc/raywright", "run.storage_path: cannot "),
     ("tune", "give one of --config and --resume"),
     ("tune --config nosuch", "--config: no sweep 'nosuch'"),
     ("tune --config tiny --set name=a/b", "name"),

@@ -89,7 +89,11 @@ class Lease:
             raise RunOwnedError(self._owned_message(holder, now))
         if holder is not None and holder.token != self.token:
             print(f"taking over the run from a driver that is gone ({holder.describe(now)})", file=sys.stderr)
-        storage.write_json(self.uri, self._me().model_dump())
+        try:
+            storage.write_json(self.uri, self._me().model_dump())
+        except OSError as exc:  # the run's first write: a directory that cannot be made, credentials that only read
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ConfigError(f"run.storage_path: cannot write {self.uri}: {reason}") from None
         holder = self.holder()
         if holder is None or holder.token != self.token:  # another driver wrote in between: it wins
             raise RunOwnedError(self._owned_message(holder, now) if holder else f"{self.uri} vanished")
