@@ -3,15 +3,19 @@
     python -m cluster up --local | down --local
     python -m cluster submit {train,tune,serve} --config FILE [--set K=V ...] [--env K=V ...] [--follow]
     python -m cluster logs JOB_ID [--follow]  |  status JOB_ID  |  stop JOB_ID  |  list
+--follow ends with the job's status (exit code 1 where it failed); Ctrl-C stops following, not the job.
 Every job command takes --address (default: RAY_ADDRESS if http(s), else http://127.0.0.1:8265).
 """
 
 import argparse
 import asyncio
+import re
 import sys
 
+from ray.job_submission import JobStatus, JobSubmissionClient
+
 from cluster.jobs import DEFAULT_ADDRESS, KINDS, JobError, connect, job_address, submit
-from train.cli import OneLineParser, one_line_errors
+from train.cli import OneLineParser, one_line_errors, take_sigterm_as_ctrl_c
 from train.schema import ConfigError
 
 
@@ -25,9 +29,30 @@ def _pairs(items: list[str], option: str) -> dict[str, str]:
     return pairs
 
 
-async def _follow(client, job_id: str) -> None:
-    async for lines in client.tail_job_logs(job_id):
-        print(lines, end="", flush=True)
+def _follow(client: JobSubmissionClient, job_id: str) -> int:
+    """Stream the job's logs until it ends, then say how it ended; 1 where it failed (as ``ray job submit``).
+    Ctrl-C or SIGTERM stops following, not the job."""
+
+    async def tail() -> None:
+        async for lines in client.tail_job_logs(job_id):
+            print(lines, end="", flush=True)
+
+    take_sigterm_as_ctrl_c()
+    try:
+        asyncio.run(tail())
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(
+            f"stopped following {job_id}, which goes on (python -m cluster stop {job_id} stops it)"
+        ) from None
+    return 1 if _print_status(client, job_id) == JobStatus.FAILED else 0
+
+
+def _print_status(client: JobSubmissionClient, job_id: str) -> JobStatus:
+    info = client.get_job_info(job_id)
+    # A failed job's message goes on with the end of its logs, which `logs JOB` shows: its first line is enough.
+    message = re.sub(r",? ?last available logs.*", "", (info.message or "").split("\n")[0])
+    print(f"{job_id}: {info.status.value}" + (f" ({message})" if message else ""), flush=True)
+    return info.status
 
 
 def _parser() -> OneLineParser:
@@ -86,21 +111,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "submit":
             job_id = submit(args.kind, args.config, args.set, args.address, _pairs(args.env, "--env"))
             print(f"submitted {job_id} to {job_address(args.address)}", flush=True)
-            if args.follow:
-                asyncio.run(_follow(connect(args.address), job_id))
-            return 0
+            return _follow(connect(args.address), job_id) if args.follow else 0
         client = connect(args.address)
         if args.command == "list":
             for job in client.list_jobs():
                 print(f"{job.submission_id}  {job.status.value:<9}  {job.entrypoint}")
         elif args.command == "status":
-            info = client.get_job_info(args.job_id)
-            print(f"{args.job_id}: {info.status.value}" + (f" ({info.message})" if info.message else ""))
+            _print_status(client, args.job_id)
         elif args.command == "stop":
             client.stop_job(args.job_id)
             print(f"stop requested for {args.job_id}")
         elif args.follow:
-            asyncio.run(_follow(client, args.job_id))
+            return _follow(client, args.job_id)
         else:
             print(client.get_job_logs(args.job_id), end="")
         return 0

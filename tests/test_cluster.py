@@ -31,6 +31,7 @@ from cluster import local
 from cluster.__main__ import main as cluster_main
 from cluster.jobs import auth_headers, connect
 from cluster.spot_drainer import Imds, wait_for_metadata, watch
+from tests.conftest import interrupt_when
 from train.early_checkpoint import latest_checkpoint_request
 from train.schema import ConfigError
 
@@ -284,12 +285,9 @@ def test_local_twin_launches_spot_then_on_demand_follows_and_stops_a_job_then_sc
             cwd=REPO, capture_output=True, text=True, check=True, timeout=120,
         )  # fmt: skip
         job_id = submitted.stdout.split()[1]
-        followed = tmp_path / "follow.log"
+        followed, following = tmp_path / "follow.log", [sys.executable, "-m", "cluster", "logs", job_id, "--follow"]
         with open(followed, "w") as out:
-            follow = subprocess.Popen(
-                [sys.executable, "-m", "cluster", "logs", job_id, "--follow", *address],
-                cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+            follow = subprocess.Popen([*following, *address], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
         try:
             _wait(lambda: "step 10/" in followed.read_text(), 240, "the followed log to show training steps")
             # Where the workers run, not how many nodes are up: once in CI a third node was up at this point
@@ -299,10 +297,18 @@ def test_local_twin_launches_spot_then_on_demand_follows_and_stops_a_job_then_sc
             )
             # DeepSpeed's warning that it found no GPU, from each worker that chose its device by itself
             assert "unable to detect" not in followed.read_text()
+            # Ctrl-C or SIGTERM stops following, not the job.
+            log = tmp_path / "follow-interrupted.log"
+            interrupt_when([*following, *address], log, lambda: "step " in log.read_text())
+            assert f"interrupted: stopped following {job_id}, which goes on (python -m cluster stop {job_id}" in (
+                log.read_text()
+            )
+            assert connect(state.dashboard).get_job_status(job_id).value == "RUNNING"
             assert cluster_main(["stop", job_id, *address]) == 0
-            assert follow.wait(timeout=60) == 0  # the follow ends with the job
+            assert follow.wait(timeout=60) == 0  # the follow ends with the job, and says how it ended
         finally:
             follow.kill()
+        assert followed.read_text().rstrip().endswith(f"{job_id}: STOPPED (Job was intentionally stopped.)")
         # Each worker's line once: the nodes, sharing the head's logs folder, start no log monitor of their own.
         assert followed.read_text().count("step 10/100000 |") == 1, followed.read_text()[-4000:]
         assert connect(state.dashboard).get_job_status(job_id).value == "STOPPED"
@@ -313,6 +319,13 @@ def test_local_twin_launches_spot_then_on_demand_follows_and_stops_a_job_then_sc
         # first use).
         setup = "".join(log.read_text() for log in logs.glob("runtime_env_setup-*.log"))
         assert len(set(re.findall(r"Downloading package from \S+ to \S+/(runtime_resources[^/]*)/", setup))) >= 3
+        # A job that fails: the follow of its submit ends with how, and exit code 1 (as `ray job submit`).
+        failing = [sys.executable, "-m", "cluster", "submit", "train", "--config", "tiny", "--follow", *address]
+        failing += ["--set", "run.storage_path=/proc/raywright"]  # no directory can be made there, even by root
+        failed = subprocess.run(failing, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert failed.returncode == 1, failed.stdout[-3000:] + failed.stderr[-3000:]
+        assert "config error: run.storage_path: cannot " in failed.stdout
+        assert failed.stdout.rstrip().endswith(": FAILED (Job entrypoint command failed with exit code 2)")
         # The stopped run withdrew its autoscaler request: the nodes go after the idle timeout (30 s).
         _wait(lambda: _twin_node_kinds(state.dashboard) == [], 150, "the idle nodes to be given back")
     finally:
