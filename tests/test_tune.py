@@ -74,10 +74,13 @@ def assert_ended_trials_left_no_checkpoints(sweep: Path) -> None:
     assert not list(sweep.glob("trials/*/checkpoints/step_*"))
 
 
+# SHORT trials without early stopping, two at a time on one CPU each.
+SHORT_SWEEP = {"set": SHORT, "max_concurrent_trials": 2, "early_stopping": "none", "trial_resources": {"CPU": 1}}
+
+
 def short_sweep(tmp_path: Path, name: str, space: dict, **options) -> SweepResult:
-    """A sweep of SHORT trials without early stopping, two at a time on one CPU each, stored in tmp_path."""
-    common = {"set": SHORT, "max_concurrent_trials": 2, "early_stopping": "none", "trial_resources": {"CPU": 1}}
-    return run_sweep("tiny", space, name=name, storage_path=str(tmp_path), **common, **options)
+    """A SHORT_SWEEP of the tiny recipe, stored in tmp_path."""
+    return run_sweep("tiny", space, name=name, storage_path=str(tmp_path), **SHORT_SWEEP, **options)
 
 
 BAD_SPACES = [
@@ -275,15 +278,12 @@ def test_a_sweep_interrupted_or_whose_driver_is_killed_resumes_within_its_step_b
     sweep_file.write_text(
         yaml.safe_dump(
             {
+                **SHORT_SWEEP,
                 "name": "resume",
                 "base": "tiny",
-                "set": SHORT,
                 "space": SPACE,
                 "num_trials": 5,
                 "step_budget": 120,
-                "max_concurrent_trials": 2,
-                "early_stopping": "none",
-                "trial_resources": {"CPU": 1},
                 "storage_path": str(tmp_path),
                 "ray_address": ray_session.address,
             }
@@ -440,25 +440,35 @@ def test_failed_trials_are_named_with_their_error_and_resume_runs_them_again(
 ):
     """Trials that start from a model directory deleted once the sweep was checked fail (max_failures 0: at once),
     the others run. The summary names each failed trial's error, where its traceback is, and the command that runs
-    them again: once the directory is back, that command trains them."""
+    them again: once the directory is back, that command trains them. Where every trial failed, there is nothing
+    to summarize: the command says so in one line, with a trial's error and that command, and exit code 1."""
     cfg = load_config("tiny")
     base, why = tmp_path / "base", "no config.json; not a Hugging Face model directory"
     save_export(GPT(cfg.model).state_dict(), cfg.model, ByteTokenizer(), str(base), None)
-    sweep = sweep_config_from_dict(
-        {
-            "name": "fails",
-            "base": "tiny",
-            "set": ["optim.max_steps=20", *SHORT[1:]],
-            "space": {"model.init_from": {"choice": ["", str(base)]}},
-            "num_trials": 4,
-            "max_failures": 0,
-            "max_concurrent_trials": 2,
-            "early_stopping": "none",
-            "trial_resources": {"CPU": 1},
-            "storage_path": str(tmp_path),
-            "ray_address": ray_session.address,
-        }
-    )
+    settings = {
+        "name": "fails",
+        "base": "tiny",
+        **SHORT_SWEEP,
+        "set": ["optim.max_steps=20", *SHORT[1:]],
+        "space": {"model.init_from": {"choice": ["", str(base)]}},
+        "num_trials": 4,
+        "max_failures": 0,
+        "storage_path": str(tmp_path),
+        "ray_address": ray_session.address,
+    }
+    # Every trial fails, here as none can make its run directory (a file is in the way): nothing to summarize.
+    all_fail = tmp_path / "sweeps" / "all-fail"
+    all_fail.mkdir(parents=True)
+    (all_fail / "trials").write_text("in the way")
+    sweep_file = tmp_path / "all-fail.yaml"
+    sweep_file.write_text(yaml.safe_dump({**settings, "name": "all-fail", "num_trials": 1}))
+    command = [sys.executable, "-m", "tune", "--config", str(sweep_file)]
+    failed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    (line,) = [line for line in failed.stderr.splitlines() if line.startswith("error: ")]
+    assert failed.returncode == 1 and line.startswith("error: sweep 'all-fail': no trial reported val_loss; trial ")
+    assert f"failed: NotADirectoryError: [Errno 20] Failed to open local file '{all_fail}/trials/" in line
+    assert line.endswith(f"; to run the trials again: python -m tune --resume {all_fail}"), line
+    sweep = sweep_config_from_dict(settings)
     shutil.rmtree(base)
     result = run_sweep_config(sweep)
     failed = result.trials[result.trials["error"]]

@@ -4,7 +4,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from train.cli import config_parser, one_line_errors, print_config, use_cpu_deepspeed_unless_gpu_workers
-from tune.config import SweepConfig, load_sweep_config, saved_sweep_config, sweep_names
+from tune.config import SweepConfig, load_sweep_config, resume_command, saved_sweep_config, sweep_names
 
 if TYPE_CHECKING:  # tune.sweep loads DeepSpeed, which must wait for use_cpu_deepspeed_unless_gpu_workers
     from tune.sweep import SweepResult
@@ -18,7 +18,11 @@ def main(argv: list[str] | None = None) -> int:
         SweepConfig,
         f"a shipped sweep ({', '.join(sweep_names())}) or a sweep YAML path or URI",
     )
-    parser.add_argument("--resume", metavar="SWEEP_DIR", help="finish an interrupted sweep from its directory")
+    parser.add_argument(
+        "--resume",
+        metavar="SWEEP_DIR",
+        help="finish an interrupted sweep from its directory (its failed trials run again)",
+    )
     args = parser.parse_args(argv)
     if bool(args.config) == bool(args.resume):
         parser.error("give one of --config and --resume")
@@ -30,13 +34,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     use_cpu_deepspeed_unless_gpu_workers(sweep.base_config())  # before tune.sweep loads DeepSpeed
-    from tune.sweep import resume_sweep, run_sweep_config
+    from tune.sweep import SweepFailed, resume_sweep, run_sweep_config
 
     # Ctrl-C or SIGTERM: Tune saves the sweep's state, and the KeyboardInterrupt says how to resume it.
-    if args.resume:
-        result = resume_sweep(args.resume, sweep, stop_on_sigterm=True)
-    else:
-        result = run_sweep_config(sweep, stop_on_sigterm=True)
+    try:
+        if args.resume:
+            result = resume_sweep(args.resume, sweep, stop_on_sigterm=True)
+        else:
+            result = run_sweep_config(sweep, stop_on_sigterm=True)
+    except SweepFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print_summary(result)
     return 0
 
@@ -46,7 +54,7 @@ def print_summary(result: "SweepResult") -> None:
     for trial in result.failed:
         print(f"\ntrial {trial.trial_id} failed: {trial.error}\n  (its traceback: {trial.error_file})")
     if result.failed:
-        print(f"to run the failed trials again: python -m tune --resume {result.path}")
+        print(f"to run the failed trials again: {resume_command(result.path)}")
     print(f"\nbest: trial {result.best.trial_id}, val_loss {result.best.val_loss:.4f}")
     print(f"best recipe: {result.best_recipe}   (python -m train --config {result.best_recipe})")
     print(f"sweep directory: {result.path}")

@@ -199,6 +199,11 @@ def load_sweep_config(sweep: str, overrides: list[str] = ()) -> SweepConfig:
     return sweep_config_from_dict(read_tree(resolve_sweep(sweep), overrides, "sweep config"))
 
 
+def resume_command(path: str) -> str:
+    """The command that resumes the sweep in directory ``path``: its unfinished trials, and its failed ones."""
+    return f"python -m tune --resume {path}"
+
+
 def saved_sweep_config(path: str) -> SweepConfig:
     """The settings the sweep in directory ``path`` started with (its sweep.yaml): what ``--resume`` runs on."""
     saved = storage.join(path, SWEEP_FILE)

@@ -39,7 +39,7 @@ from train.launch import ensure_dataset, init_ray, resources_offered
 from train.preflight import check_before_ray, check_storage
 from train.schema import ConfigError, replace
 from tune.asha import AshaRungs
-from tune.config import SWEEP_FILE, SweepConfig, saved_sweep_config, sweep_config_from_dict
+from tune.config import SWEEP_FILE, SweepConfig, resume_command, saved_sweep_config, sweep_config_from_dict
 from tune.plots import save_plots
 from tune.progress import NotebookProgress, in_notebook
 from tune.search import ExploringTPESampler, StepAwareOptunaSearch
@@ -75,6 +75,10 @@ class FailedTrial:
     trial_id: str
     error: str  # the last line of its error: the exception and its message
     error_file: str  # the whole traceback, in the sweep directory
+
+
+class SweepFailed(RuntimeError):
+    """No trial of the sweep reported its metric: there is nothing to summarize."""
 
 
 @dataclass
@@ -344,8 +348,8 @@ def _ran_to_its_end(sweep: SweepConfig, results: ResultGrid) -> ResultGrid:
     if not all_ended or (len(saved) < sweep.num_trials and not SweepBudget(sweep).count_restored(saved).stop_all()):
         path = sweep_dir(sweep)
         raise KeyboardInterrupt(
-            f"sweep {sweep.name!r} saved its state in {path}: run it again with the same settings (or python -m "
-            f"tune --resume {path}) to resume it"
+            f"sweep {sweep.name!r} saved its state in {path}: run it again with the same settings (or "
+            f"{resume_command(path)}) to resume it"
         )
     return results
 
@@ -400,7 +404,11 @@ def summarize(sweep: SweepConfig, results, data_path: str) -> SweepResult:
             failed.append(FailedTrial(row["trial_id"], str(result.error).strip().splitlines()[-1], error_file))
         rows.append(row)
     if not curves:
-        raise RuntimeError(f"sweep {sweep.name}: no trial reported {sweep.metric}; see the logs in {sweep_dir(sweep)}")
+        why = f"trial {failed[0].trial_id} failed: {failed[0].error} (its traceback: {failed[0].error_file})"
+        raise SweepFailed(
+            f"sweep {sweep.name!r}: no trial reported {sweep.metric}; "
+            + (f"{why}; to run the trials again: {resume_command(sweep_dir(sweep))}" if failed else "see the logs")
+        )
     trials = pd.DataFrame(rows).sort_values("started").reset_index(drop=True)
     best = _best(trials, list(sweep.space))
     path = sweep_dir(sweep)
