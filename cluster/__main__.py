@@ -119,8 +119,11 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "status":
             _print_status(client, args.job_id)
         elif args.command == "stop":
-            client.stop_job(args.job_id)
-            print(f"stop requested for {args.job_id}")
+            if client.stop_job(args.job_id):
+                print(f"stop requested for {args.job_id}")
+            else:
+                print(f"nothing to stop: {args.job_id} has ended")
+                _print_status(client, args.job_id)
         elif args.follow:
             return _follow(client, args.job_id)
         else:

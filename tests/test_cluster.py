@@ -261,7 +261,7 @@ def _wait(condition, timeout: float, what: str):
 
 @pytest.mark.cluster
 def test_local_twin_launches_spot_then_on_demand_follows_and_stops_a_job_then_scales_down(
-    tiny_dataset, tmp_path, monkeypatch
+    tiny_dataset, tmp_path, monkeypatch, capsys
 ):
     """On the fake_multinode twin, through the job CLI: a 2-worker training job asks for two `accelerator`
     nodes; the spot type (max 1) is preferred and exhausted, so an on-demand node is launched too. The
@@ -308,7 +308,11 @@ def test_local_twin_launches_spot_then_on_demand_follows_and_stops_a_job_then_sc
             assert follow.wait(timeout=60) == 0  # the follow ends with the job, and says how it ended
         finally:
             follow.kill()
-        assert followed.read_text().rstrip().endswith(f"{job_id}: STOPPED (Job was intentionally stopped.)")
+        stopped = f"{job_id}: STOPPED (Job was intentionally stopped.)"
+        assert followed.read_text().rstrip().endswith(stopped)
+        capsys.readouterr()
+        assert cluster_main(["stop", job_id, *address]) == 0  # again: it says the job has ended, and how
+        assert capsys.readouterr().out == f"nothing to stop: {job_id} has ended\n{stopped}\n"
         # Each worker's line once: the nodes, sharing the head's logs folder, start no log monitor of their own.
         assert followed.read_text().count("step 10/100000 |") == 1, followed.read_text()[-4000:]
         assert connect(state.dashboard).get_job_status(job_id).value == "STOPPED"
