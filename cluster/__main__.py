@@ -111,7 +111,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "submit":
             job_id = submit(args.kind, args.config, args.set, args.address, _pairs(args.env, "--env"))
             print(f"submitted {job_id} to {job_address(args.address)}", flush=True)
-            return _follow(connect(args.address), job_id) if args.follow else 0
+            if args.follow:
+                return _follow(connect(args.address), job_id)
+            at = f" --address {args.address}" if args.address else ""
+            print(f"follow it: python -m cluster logs {job_id} --follow{at}")
+            print(f"stop it:   python -m cluster stop {job_id}{at}")
+            return 0
         client = connect(args.address)
         if args.command == "list":
             for job in client.list_jobs():

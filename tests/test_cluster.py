@@ -285,6 +285,7 @@ def test_local_twin_launches_spot_then_on_demand_follows_and_stops_a_job_then_sc
             cwd=REPO, capture_output=True, text=True, check=True, timeout=120,
         )  # fmt: skip
         job_id = submitted.stdout.split()[1]
+        assert f"stop it:   python -m cluster stop {job_id} --address {state.dashboard}\n" in submitted.stdout
         followed, following = tmp_path / "follow.log", [sys.executable, "-m", "cluster", "logs", job_id, "--follow"]
         with open(followed, "w") as out:
             follow = subprocess.Popen([*following, *address], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
