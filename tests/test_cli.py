@@ -19,13 +19,11 @@ import pytest
 import safetensors.numpy
 import torch
 
-from tests.conftest import metadata_json, write_a_prepared_dataset
+from tests.conftest import REPO, metadata_json, write_a_prepared_dataset
 from train.config import load_config
 from train.hf_gpt2 import hf_config
 from train.model_config import ModelConfig
 from train.tokenizer import ByteTokenizer
-
-REPO = Path(__file__).resolve().parent.parent
 
 # (command, what its one line must name); {tmp} is a per-session directory with the files below, {busy} a port
 # that something listens on.

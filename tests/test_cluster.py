@@ -31,11 +31,10 @@ from cluster import local
 from cluster.__main__ import main as cluster_main
 from cluster.jobs import auth_headers, connect
 from cluster.spot_drainer import Imds, wait_for_metadata, watch
-from tests.conftest import interrupt_when
+from tests.conftest import REPO, interrupt_when
 from train.early_checkpoint import latest_checkpoint_request
 from train.schema import ConfigError
 
-REPO = Path(__file__).resolve().parent.parent
 WORKER_TYPES = {"gpu.ondemand": None, "gpu.spot": "spot", "cpu.spot": "spot"}  # type -> EC2 lifecycle
 
 

@@ -20,7 +20,7 @@ from ray.tune import ExperimentAnalysis, Result, ResultGrid
 from ray.util.state import list_actors
 
 from cluster.drain import drain_node
-from tests.conftest import interrupt_when
+from tests.conftest import REPO, interrupt_when
 from train.config import load_config
 from train.export import save_export
 from train.launch import run_training
@@ -47,7 +47,6 @@ from tune.sweep import (
 )
 from tune.trial import ENDED, ended_evaluation
 
-REPO = Path(__file__).resolve().parent.parent
 SPACE = {
     "optim.lr": {"loguniform": [1e-4, 3e-2]},
     "optim.warmup_steps": {"int": [0, 10]},
@@ -444,7 +443,11 @@ def test_failed_trials_are_named_with_their_error_and_resume_runs_them_again(
     to summarize: the command says so in one line, with a trial's error and that command, and exit code 1."""
     cfg = load_config("tiny")
     base, why = tmp_path / "base", "no config.json; not a Hugging Face model directory"
-    save_export(GPT(cfg.model).state_dict(), cfg.model, ByteTokenizer(), str(base), None)
+
+    def write_base() -> None:
+        save_export(GPT(cfg.model).state_dict(), cfg.model, ByteTokenizer(), str(base), None)
+
+    write_base()
     settings = {
         "name": "fails",
         "base": "tiny",
@@ -481,7 +484,7 @@ def test_failed_trials_are_named_with_their_error_and_resume_runs_them_again(
         assert f"trial {trial.trial_id} failed: {trial.error}\n  (its traceback: {trial.error_file})" in printed
         assert trial.error in Path(trial.error_file).read_text()
     assert f"to run the failed trials again: python -m tune --resume {result.path}\n" in printed
-    save_export(GPT(cfg.model).state_dict(), cfg.model, ByteTokenizer(), str(base), None)
+    write_base()
     rerun = subprocess.run(
         [sys.executable, "-m", "tune", "--resume", result.path], cwd=REPO, capture_output=True, text=True, timeout=600
     )

@@ -63,6 +63,10 @@ def print_config(config: BaseModel) -> None:
     print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
 
 
+class CommandFailed(RuntimeError):
+    """An end of a command's work that it reports in one line (``error: ...``, exit code 1), not a traceback."""
+
+
 def one_line_errors(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
     """Wrap a CLI's ``main``: a ConfigError becomes ``config error: ...`` on stderr and exit code 2; a run that
     stopped (diverged, out of disk space) or a full disk, ``error: ...`` and exit code 1; Ctrl-C (or SIGTERM,
@@ -75,7 +79,7 @@ def one_line_errors(main: Callable[[list[str] | None], int]) -> Callable[[list[s
         except ConfigError as exc:
             print(f"config error: {exc}", file=sys.stderr)
             return 2
-        except (RunStopped, DiskFullError) as exc:
+        except (CommandFailed, RunStopped, DiskFullError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
         except KeyboardInterrupt as exc:

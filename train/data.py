@@ -32,7 +32,7 @@ from train.cli import OneLineParser, one_line_errors, setting_type, take_sigterm
 from train.config import BPE_TRAIN_BYTES, DataConfig, TrainConfig, tokenizer_setting
 from train.manifest import MANIFEST, SPLITS, Manifest, SplitShards, write_manifest
 from train.model_config import ModelConfig
-from train.schema import ConfigError, parse
+from train.schema import ConfigError, error_reason, parse
 from train.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer, save_tokenizer, train_bpe
 
 TOKENS_PER_PACK = 1 << 24  # documents packed together: a block of ~32 MB of tokens
@@ -64,7 +64,7 @@ def list_source(source: str) -> tuple[pafs.FileSystem, list[str], str]:
     try:
         fs, files = _source_files(source)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"data.source: cannot read {source!r}: {str(exc).splitlines()[0]}") from None
+        raise ConfigError(f"data.source: cannot read {source!r}: {error_reason(exc)}") from None
     if not files:
         raise ConfigError(f"data.source: {source!r} matches no files")
     kinds = {_kind(f) for f in files}

@@ -20,7 +20,7 @@ import time
 import uuid
 
 from train import storage
-from train.schema import ConfigError, Section, read_record
+from train.schema import ConfigError, Section, error_reason, read_record
 
 LEASE = "lease.json"
 
@@ -92,8 +92,7 @@ class Lease:
         try:
             storage.write_json(self.uri, self._me().model_dump())
         except OSError as exc:  # the run's first write: a directory that cannot be made, credentials that only read
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise ConfigError(f"run.storage_path: cannot write {self.uri}: {reason}") from None
+            raise ConfigError(f"run.storage_path: cannot write {self.uri}: {error_reason(exc)}") from None
         holder = self.holder()
         if holder is None or holder.token != self.token:  # another driver wrote in between: it wins
             raise RunOwnedError(self._owned_message(holder, now) if holder else f"{self.uri} vanished")

@@ -15,7 +15,7 @@ from train.config import TrainConfig
 from train.data import dataset_path, default_source, list_source, refuse_foreign
 from train.ds_config import build_ds_config
 from train.manifest import Manifest, check_shards, load_manifest
-from train.schema import ConfigError, replace
+from train.schema import ConfigError, error_reason, replace
 from train.tokenizer import load_tokenizer
 
 
@@ -85,8 +85,7 @@ def check_storage(uri: str, key: str) -> None:
         else:
             fs.get_file_info(path)
     except (OSError, ValueError) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ConfigError(f"{key}: cannot use {uri}: {reason}") from None
+        raise ConfigError(f"{key}: cannot use {uri}: {error_reason(exc)}") from None
 
 
 def check_dataset(cfg: TrainConfig) -> None:

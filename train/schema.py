@@ -24,6 +24,11 @@ class ConfigError(ValueError):
     """A config file, override or setting that names an unknown key or holds a bad value."""
 
 
+def error_reason(exc: BaseException) -> str:
+    """What a one-line error says of ``exc``: its message's first line, or its type where it has no message."""
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
 class Section(BaseModel):
     """A config section: unknown keys, mistyped values and NaN are errors; field docstrings are descriptions."""
 
@@ -186,8 +191,7 @@ def read_tree(path: str | None, overrides: list[str], what: str) -> dict[str, An
         try:
             text = storage.read_bytes(path).decode()
         except (OSError, ValueError) as exc:
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise ConfigError(f"cannot read {what} {path}: {reason}") from None
+            raise ConfigError(f"cannot read {what} {path}: {error_reason(exc)}") from None
         tree = load_yaml(text, path) or {}
         if not isinstance(tree, dict):
             raise ConfigError(f"{path}: a {what} must be a mapping of keys")

@@ -34,17 +34,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     use_cpu_deepspeed_unless_gpu_workers(sweep.base_config())  # before tune.sweep loads DeepSpeed
-    from tune.sweep import SweepFailed, resume_sweep, run_sweep_config
+    from tune.sweep import resume_sweep, run_sweep_config
 
     # Ctrl-C or SIGTERM: Tune saves the sweep's state, and the KeyboardInterrupt says how to resume it.
-    try:
-        if args.resume:
-            result = resume_sweep(args.resume, sweep, stop_on_sigterm=True)
-        else:
-            result = run_sweep_config(sweep, stop_on_sigterm=True)
-    except SweepFailed as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    if args.resume:
+        result = resume_sweep(args.resume, sweep, stop_on_sigterm=True)
+    else:
+        result = run_sweep_config(sweep, stop_on_sigterm=True)
     print_summary(result)
     return 0
 

@@ -23,7 +23,17 @@ from pydantic import Field, model_validator
 
 from train import storage
 from train.config import TrainConfig, load_config
-from train.schema import ConfigError, Name, Section, find_config_file, load_yaml, parse, read_tree, shipped_names
+from train.schema import (
+    ConfigError,
+    Name,
+    Section,
+    error_reason,
+    find_config_file,
+    load_yaml,
+    parse,
+    read_tree,
+    shipped_names,
+)
 
 SWEEP_DIR = Path(__file__).with_name("sweeps")  # package data, like train/recipes/
 SWEEP_FILE = "sweep.yaml"  # in a sweep's directory: the settings it started with
@@ -210,7 +220,7 @@ def saved_sweep_config(path: str) -> SweepConfig:
     try:
         text = storage.read_if_exists(saved)
     except OSError as exc:  # storage that cannot be reached
-        raise ConfigError(f"--resume: cannot read {path}: {str(exc).splitlines()[0]}") from None
+        raise ConfigError(f"--resume: cannot read {path}: {error_reason(exc)}") from None
     if text is None:
         raise ConfigError(f"--resume: {path} holds no {SWEEP_FILE}; is it a sweep directory?")
     return sweep_config_from_dict(load_yaml(text.decode(), saved))

@@ -32,7 +32,7 @@ from ray.tune.stopper import Stopper
 from ray.util.state import list_actors
 
 from train import checkpoint, storage
-from train.cli import take_sigterm_as_ctrl_c
+from train.cli import CommandFailed, take_sigterm_as_ctrl_c
 from train.config import TrainConfig
 from train.data import dataset_path
 from train.launch import ensure_dataset, init_ray, resources_offered
@@ -77,7 +77,7 @@ class FailedTrial:
     error_file: str  # the whole traceback, in the sweep directory
 
 
-class SweepFailed(RuntimeError):
+class SweepFailed(CommandFailed):
     """No trial of the sweep reported its metric: there is nothing to summarize."""
 
 
@@ -375,7 +375,7 @@ def _nothing_to_resume(path: str) -> bool:
 
 def summarize(sweep: SweepConfig, results, data_path: str) -> SweepResult:
     """The trials table, the best recipe and the plots of a finished sweep."""
-    max_steps = sweep.base_config().optim.max_steps
+    max_steps, path = sweep.base_config().optim.max_steps, sweep_dir(sweep)
     rows, curves, failed = [], {}, []
     for result in results:
         history = result.metrics_dataframe
@@ -400,18 +400,20 @@ def summarize(sweep: SweepConfig, results, data_path: str) -> SweepResult:
         if reported:
             curves[row["trial_id"]] = history[["step", sweep.metric, "time"]].drop_duplicates("step", keep="last")
         if result.error is not None:
-            error_file = storage.join(sweep_dir(sweep), os.path.basename(result.path), "error.txt")
+            error_file = storage.join(path, os.path.basename(result.path), "error.txt")
             failed.append(FailedTrial(row["trial_id"], str(result.error).strip().splitlines()[-1], error_file))
         rows.append(row)
     if not curves:
-        why = f"trial {failed[0].trial_id} failed: {failed[0].error} (its traceback: {failed[0].error_file})"
+        nothing = f"sweep {sweep.name!r}: no trial reported {sweep.metric}"
+        if not failed:
+            raise SweepFailed(f"{nothing}; see the logs in {path}")
+        first = failed[0]
         raise SweepFailed(
-            f"sweep {sweep.name!r}: no trial reported {sweep.metric}; "
-            + (f"{why}; to run the trials again: {resume_command(sweep_dir(sweep))}" if failed else "see the logs")
+            f"{nothing}; trial {first.trial_id} failed: {first.error} (its traceback: {first.error_file}); "
+            f"to run the trials again: {resume_command(path)}"
         )
     trials = pd.DataFrame(rows).sort_values("started").reset_index(drop=True)
     best = _best(trials, list(sweep.space))
-    path = sweep_dir(sweep)
     storage.write_bytes(storage.join(path, TRIALS_FILE), trials.to_csv(index=False).encode())
     recipe = write_best_recipe(sweep, best, data_path)
     plots = save_plots(sweep, trials, curves, path)
