@@ -198,6 +198,42 @@ def test_the_best_trial_trained_to_the_end_or_else_did_not_fail(tmp_path):
 
 
 @pytest.mark.unit
+def test_the_printed_summary_says_how_each_trial_ended_and_how_long_it_ran(tmp_path, capsys):
+    sweep = sweep_config_from_dict(
+        {"base": "tiny", "set": ["optim.max_steps=40"], "space": SPACE, "storage_path": str(tmp_path)}
+    )
+    config = {"optim.lr": 1e-3, "optim.warmup_steps": 0, "model.d_model": 64}
+    node = "735396d3bdc66761dc0803677f9116567e0ad53b646fa56029ce78e9"
+
+    def reported(trial_id: str, steps: int, seconds: float) -> Result:
+        start = 1796667469.7
+        history = pd.DataFrame(
+            {"step": [0, steps], "val_loss": [5.0, 3.0], "trial_start": start, "time": [start, start + seconds]}
+        )
+        return Result(
+            {"config": config, "trial_id": trial_id, "node_id": node}, None, None, f"x/run_trial_{trial_id}_1", history
+        )
+
+    failed = Result({"config": config}, None, RuntimeError("boom"), "x/run_trial_f1_3", pd.DataFrame())
+    print_summary(summarize(sweep, [reported("d1", 40, 3725.4), reported("s1", 20, 12.0), failed], str(tmp_path / "d")))
+    table = capsys.readouterr().out.split("\n\n")[0].splitlines()
+    assert table[0].split() == [
+        "trial_id",
+        "optim.lr",
+        "optim.warmup_steps",
+        "model.d_model",
+        "val_loss",
+        "steps",
+        "ended",
+        "ran",
+        "node",
+    ]
+    assert table[1].split()[0] == "d1" and table[1].split()[-3:] == ["finished", "1:02:05", "735396d3"]
+    assert table[2].split()[0] == "s1" and table[2].split()[-4:] == ["stopped", "early", "0:00:12", "735396d3"]
+    assert table[3].split()[0] == "f1" and table[3].split()[-5:] == ["-", "0", "failed", "-", "-"]
+
+
+@pytest.mark.unit
 def test_best_recipe_path_takes_a_new_file_or_a_best_recipe_and_nothing_else(tmp_path):
     target = tmp_path / "recipes" / "best.yaml"
     sweep = sweep_config_from_dict(

@@ -1,12 +1,16 @@
 """python -m tune --config SWEEP [--set key=value ...]  |  python -m tune --resume SWEEP_DIR   (--help: settings)"""
 
+import math
 import sys
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from train.cli import config_parser, one_line_errors, print_config, use_cpu_deepspeed_unless_gpu_workers
 from tune.config import SweepConfig, load_sweep_config, resume_command, saved_sweep_config, sweep_names
 
 if TYPE_CHECKING:  # tune.sweep loads DeepSpeed, which must wait for use_cpu_deepspeed_unless_gpu_workers
+    import pandas as pd
+
     from tune.sweep import SweepResult
 
 
@@ -45,8 +49,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def trials_table(trials: "pd.DataFrame") -> str:
+    """The trials as a reader wants them: how each ended, how long it ran (H:MM:SS) and on which node (the first 8
+    characters of its id), where ``SweepResult.trials`` keeps flags, epoch seconds and whole ids for code."""
+    shown = trials.drop(columns=["stopped_early", "error", "started", "ended", "node_id"])
+    shown["ended"] = [
+        "failed" if error else "stopped early" if stopped else "finished"
+        for error, stopped in zip(trials["error"], trials["stopped_early"], strict=True)
+    ]
+    shown["ran"] = [
+        "-" if math.isnan(seconds) else str(timedelta(seconds=round(seconds)))  # NaN: failed before it reported
+        for seconds in trials["ended"] - trials["started"]
+    ]
+    shown["node"] = [node[:8] if isinstance(node, str) else "-" for node in trials["node_id"]]
+    return shown.to_string(index=False, na_rep="-")
+
+
 def print_summary(result: "SweepResult") -> None:
-    print(result.trials.to_string(index=False))
+    print(trials_table(result.trials))
     for trial in result.failed:
         print(f"\ntrial {trial.trial_id} failed: {trial.error}\n  (its traceback: {trial.error_file})")
     if result.failed:
