@@ -1,6 +1,7 @@
 """Storage that fails: an outage waited out, as a (re)starting training worker does before it reads its run; a
 write that a full disk cuts short."""
 
+import errno
 import threading
 import time
 
@@ -50,3 +51,21 @@ def test_a_write_that_a_full_disk_cuts_short_leaves_nothing_behind(small_disk):
     with pytest.raises(OSError, match="No space left on device"):
         storage.write_bytes(str(small_disk / "timeline.json"), b"x" * 100_000)
     assert sorted(path.name for path in small_disk.iterdir()) == ["filler"]
+
+
+@pytest.mark.parametrize(
+    ("code", "said"), [(errno.ENOSPC, "no space left"), (errno.EDQUOT, "disk quota exceeded"), (errno.EIO, None)]
+)
+def test_a_full_disk_or_a_used_up_quota_is_a_disk_full_error_naming_the_disk(tmp_path, code, said):
+    """A quota (a shared disk's) used up fails writes as a full disk does, so it must stop a run alike."""
+    try:
+        try:
+            raise OSError(code, "from the write")
+        except OSError as write:
+            raise RuntimeError("a worker's checkpoint failed") from write
+    except RuntimeError as error:
+        full = storage.disk_full(error, "checkpoint step_00000010", str(tmp_path / "run" / "checkpoints"))
+    if said is None:
+        assert full is None
+    else:
+        assert str(full).startswith(f"checkpoint step_00000010: {said} on the disk holding {tmp_path} (")

@@ -45,17 +45,24 @@ def is_local(uri: str) -> bool:
     return isinstance(resolve(uri)[0], pafs.LocalFileSystem)
 
 
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
+
+
 class DiskFullError(OSError):
     """A local disk that filled up while raywright wrote to it: what the CLIs say in one line (exit code 1)."""
 
 
 def disk_full(error: BaseException, what: str, path: str) -> DiskFullError | None:
     """``error`` as a ``DiskFullError`` naming ``what`` and the free space at ``path``, where it or one of its causes
-    (a Ray task's included) is "no space left on device"; else None."""
-    if not any(getattr(cause, "errno", None) == errno.ENOSPC for cause in itertools.islice(_causes(error), 20)):
+    (a Ray task's included) is "no space left on device" or "disk quota exceeded" (the user's share of a shared
+    disk used up: as full for them); else None."""
+    causes = itertools.islice(_causes(error), 20)
+    full = next((cause.errno for cause in causes if getattr(cause, "errno", None) in FULL_DISK), None)
+    if full is None:
         return None
     where, free = free_space(path)
-    return DiskFullError(f"{what}: no space left on the disk holding {where} ({free / 2**20:.1f} MiB free)")
+    why = "disk quota exceeded" if full == errno.EDQUOT else "no space left"
+    return DiskFullError(f"{what}: {why} on the disk holding {where} ({free / 2**20:.1f} MiB free)")
 
 
 def free_space(path: str) -> tuple[str, int]:
