@@ -29,7 +29,7 @@ from train.schema import ConfigError
 from train.tokenizer import ByteTokenizer
 from tune.__main__ import main as tune_main
 from tune.__main__ import print_summary
-from tune.config import SWEEP_DIR, SWEEP_FILE, load_sweep_config, sweep_config_from_dict
+from tune.config import SWEEP_DIR, SWEEP_FILE, load_sweep_config, saved_sweep_config, sweep_config_from_dict
 from tune.sweep import (
     TRIALS_FILE,
     BestTrial,
@@ -97,6 +97,20 @@ BAD_SPACES = [
 def test_bad_search_space_gets_an_error_naming_the_parameter(space, named):
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
         sweep_config_from_dict({"base": "tiny", "space": space})
+
+
+@pytest.mark.unit
+def test_more_trials_than_a_space_of_choices_holds_are_refused_but_a_saved_sweep_resumes_as_it_started(tmp_path):
+    discrete = {"model.d_model": {"choice": [64, 128]}, "optim.warmup_steps": {"int": [0, 2]}}
+    settings = {"base": "tiny", "space": discrete, "num_trials": 7}
+    with pytest.raises(
+        ConfigError, match=r"^num_trials: 7 trials of a space of 6 distinct settings \(model\.d_model: 2 "
+    ):
+        sweep_config_from_dict(settings)
+    assert sweep_config_from_dict({**settings, "num_trials": 6}).num_trials == 6
+    assert sweep_config_from_dict({**settings, "space": {**discrete, "optim.lr": SPACE["optim.lr"]}}).num_trials == 7
+    (tmp_path / SWEEP_FILE).write_text(yaml.safe_dump(settings))
+    assert saved_sweep_config(str(tmp_path)).num_trials == 7
 
 
 @pytest.mark.unit
@@ -464,7 +478,7 @@ def test_a_sweep_ends_once_its_step_budget_is_spent(ray_session, tiny_dataset, t
 def test_a_sweep_ends_once_a_trial_reaches_its_target(ray_session, tiny_dataset, tmp_path):
     """target: a val_loss of 4.0, which trials reach at their first evaluation (step 10 of 40). The sweep ends
     there, with fewer trials than its 4, and has finished: not taken for a sweep interrupted between trials."""
-    result = short_sweep(tmp_path, "target", {"optim.lr": {"choice": [3e-3]}}, num_trials=4, target=4.0)
+    result = short_sweep(tmp_path, "target", {"optim.lr": {"uniform": [2.9e-3, 3.1e-3]}}, num_trials=4, target=4.0)
     assert len(result.trials) < 4 and result.trials["stopped_early"].all(), result.trials
     assert result.best.val_loss <= 4.0 and result.trials["steps"].max() < 40
 
@@ -489,7 +503,7 @@ def test_failed_trials_are_named_with_their_error_and_resume_runs_them_again(
         "base": "tiny",
         **SHORT_SWEEP,
         "set": ["optim.max_steps=20", *SHORT[1:]],
-        "space": {"model.init_from": {"choice": ["", str(base)]}},
+        "space": {"model.init_from": {"choice": ["", str(base)]}, "optim.lr": SPACE["optim.lr"]},
         "num_trials": 4,
         "max_failures": 0,
         "storage_path": str(tmp_path),

@@ -16,6 +16,7 @@ so a bad parameter fails with its name instead of in the middle of a sweep.
 
 import itertools
 import json
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -189,9 +190,31 @@ def check_space(sweep: SweepConfig) -> None:
             raise ConfigError(f"space: the combination {combo} gives an invalid training config: {exc}") from None
 
 
-def sweep_config_from_dict(values: dict[str, Any]) -> SweepConfig:
+def _check_trials_fit_the_space(sweep: SweepConfig) -> None:
+    """A space of choices and integers only holds a finite number of settings: trials beyond it would train a
+    setting again, on the same seed, to the same result."""
+    sizes = {}
+    for key, spec in sweep.space.items():
+        ((kind, args),) = spec.items()
+        if kind not in ("choice", "int"):
+            return  # a continuous parameter: as many settings as trials
+        sizes[key] = len(args) if kind == "choice" else args[1] - args[0] + 1
+    settings = math.prod(sizes.values())
+    if sweep.num_trials > settings:
+        counted = " × ".join(f"{key}: {size}" for key, size in sizes.items())
+        raise ConfigError(
+            f"num_trials: {sweep.num_trials} trials of a space of {settings} distinct settings ({counted}) would "
+            f"train some settings twice, on the same seed; set num_trials to at most {settings}, or widen space"
+        )
+
+
+def sweep_config_from_dict(values: dict[str, Any], new: bool = True) -> SweepConfig:
+    """The sweep ``values`` declare, checked; ``new``: one about to start, whose trials must fit its space (a sweep
+    saved before raywright checked that resumes as it started)."""
     sweep = parse(SweepConfig, values)
     check_space(sweep)
+    if new:
+        _check_trials_fit_the_space(sweep)
     return sweep
 
 
@@ -223,4 +246,4 @@ def saved_sweep_config(path: str) -> SweepConfig:
         raise ConfigError(f"--resume: cannot read {path}: {error_reason(exc)}") from None
     if text is None:
         raise ConfigError(f"--resume: {path} holds no {SWEEP_FILE}; is it a sweep directory?")
-    return sweep_config_from_dict(load_yaml(text.decode(), saved))
+    return sweep_config_from_dict(load_yaml(text.decode(), saved), new=False)
