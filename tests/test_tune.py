@@ -219,17 +219,17 @@ def test_the_printed_summary_says_how_each_trial_ended_and_how_long_it_ran(tmp_p
     config = {"optim.lr": 1e-3, "optim.warmup_steps": 0, "model.d_model": 64}
     node = "735396d3bdc66761dc0803677f9116567e0ad53b646fa56029ce78e9"
 
-    def reported(trial_id: str, steps: int, seconds: float) -> Result:
+    def reported(trial_id: str, lr: float, steps: int, seconds: float) -> Result:
         start = 1796667469.7
         history = pd.DataFrame(
-            {"step": [0, steps], "val_loss": [5.0, 3.0], "trial_start": start, "time": [start, start + seconds]}
+            {"step": [0, steps], "val_loss": [5.0, 1e3 * lr], "trial_start": start, "time": [start, start + seconds]}
         )
-        return Result(
-            {"config": config, "trial_id": trial_id, "node_id": node}, None, None, f"x/run_trial_{trial_id}_1", history
-        )
+        trial = {"config": {**config, "optim.lr": lr}, "trial_id": trial_id, "node_id": node}
+        return Result(trial, None, None, f"x/run_trial_{trial_id}_1", history)
 
     failed = Result({"config": config}, None, RuntimeError("boom"), "x/run_trial_f1_3", pd.DataFrame())
-    print_summary(summarize(sweep, [reported("d1", 40, 3725.4), reported("s1", 20, 12.0), failed], str(tmp_path / "d")))
+    trials = [reported("d1", 3e-3, 40, 3725.4), reported("s1", 4e-3, 20, 12.0), failed]
+    print_summary(summarize(sweep, trials, str(tmp_path / "d")))
     table = capsys.readouterr().out.split("\n\n")[0].splitlines()
     assert table[0].split() == [
         "trial_id",
