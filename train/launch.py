@@ -36,6 +36,7 @@ from train.provenance import Provenance
 from train.run_layout import export_uri
 from train.scaling_policy import ElasticTorchTrainer
 from train.schema import replace
+from train.shared_storage import check_nodes_share, dataset_setting
 from train.timeline import (
     TIMELINE_PREFIX,
     ElasticSummary,
@@ -253,6 +254,7 @@ def _train_holding_lease(cfg: TrainConfig, stop_on_sigterm: bool) -> RunSummary:
         cfg = replace(cfg, scaling=replace(cfg.scaling, resources_per_worker=offered))
     else:
         say_what_the_cluster_lacks(cfg)
+        check_nodes_share([("run.storage_path", cfg.run.storage_path), dataset_setting(cfg)])
     if stop_on_sigterm:  # Ray Train's graceful abort withdraws the run's autoscaler request: its nodes go back
         take_sigterm_as_ctrl_c()  # after the idle timeout, not 3 minutes later when the request expires
     data_path, manifest = ensure_dataset(cfg)

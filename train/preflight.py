@@ -77,9 +77,7 @@ def check_storage(uri: str, key: str) -> None:
     try:
         fs, path = storage.resolve(uri)
         if storage.is_local(uri):
-            existing = Path(path)
-            while not existing.exists():
-                existing = existing.parent
+            existing = Path(storage.nearest_existing(path))
             if not existing.is_dir() or not os.access(existing, os.W_OK):
                 raise PermissionError(f"{existing} is not a directory this user can write")
         else:

@@ -68,9 +68,15 @@ def disk_full(error: BaseException, what: str, path: str) -> DiskFullError | Non
 def free_space(path: str) -> tuple[str, int]:
     """The nearest existing folder at or above the local ``path`` (what a failed write left of it may be gone), and
     the bytes free on its disk."""
+    path = nearest_existing(path)
+    return path, shutil.disk_usage(path).free
+
+
+def nearest_existing(path: str) -> str:
+    """The local ``path``, or its nearest ancestor that exists."""
     while not os.path.exists(path):
         path = os.path.dirname(path)
-    return path, shutil.disk_usage(path).free
+    return path
 
 
 def _causes(error: BaseException | None) -> Iterator[BaseException]:

@@ -38,6 +38,7 @@ from train.data import dataset_path
 from train.launch import ensure_dataset, init_ray, resources_offered
 from train.preflight import check_before_ray, check_storage
 from train.schema import ConfigError, replace
+from train.shared_storage import check_nodes_share, dataset_setting
 from tune.asha import AshaRungs
 from tune.config import SWEEP_FILE, SweepConfig, resume_command, saved_sweep_config, sweep_config_from_dict
 from tune.plots import save_plots
@@ -98,6 +99,7 @@ TRAIN_TRIAL_CPU = 0.01
 
 
 def _trainable(sweep: SweepConfig, stop_on_sigterm: bool):
+    storage_key = "storage_path" if sweep.storage_path else "run.storage_path"
     # Absolute paths for the trials: Tune runs each in a working directory of its own.
     sweep = replace(sweep, storage_path=storage.absolute(sweep.storage_root()))
     address = [f"run.ray_address={sweep.ray_address}"] if sweep.ray_address else []
@@ -109,6 +111,8 @@ def _trainable(sweep: SweepConfig, stop_on_sigterm: bool):
     if init_ray(cfg, min_cpus=sweep.max_concurrent_trials * trial_cpus(sweep, cfg)):
         # A resource no node has (spot, on a laptop) would keep trials pending forever.
         sweep = replace(sweep, trial_resources=resources_offered(sweep.trial_resources, "trial_resources"))
+    else:
+        check_nodes_share([(storage_key, sweep.storage_path), dataset_setting(cfg, storage_key)])
     if stop_on_sigterm:  # Tune then saves the sweep's state and stops its trials
         take_sigterm_as_ctrl_c()
     data_path, manifest = ensure_dataset(cfg)  # prepared once by the driver, read by every trial

@@ -1,0 +1,72 @@
+"""A local storage path on a Ray cluster of several machines must be one folder that every machine mounts.
+
+Otherwise each machine writes its part (a dataset's shards, a checkpoint's) to a disk of its own, and the run fails
+later with an error that names something else: a dataset that "gives no train sequence", a checkpoint missing
+shards. So before anything is written there, the driver puts a file in the folder and asks each other machine
+whether it sees it.
+"""
+
+import os
+import uuid
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from train import storage
+from train.config import TrainConfig
+from train.data import dataset_path
+from train.schema import ConfigError
+
+# A node that has not answered by then (starting, or going away) is not judged: only what a node says counts.
+ANSWER_TIMEOUT_S = 60.0
+
+
+@ray.remote(num_cpus=0)
+def _sees(path: str) -> bool:
+    return os.path.exists(path)
+
+
+def check_nodes_share(paths: list[tuple[str, str]]) -> None:
+    """Raise ConfigError naming the key where a local path of ``paths`` (config key, path) is not the same folder
+    on every alive node at another address than this driver's (a node at its address shares its disk)."""
+    local = [(key, path) for key, path in paths if storage.is_local(path)]
+    here = ray.util.get_node_ip_address()
+    others = {
+        node["NodeID"]: node["NodeManagerAddress"]
+        for node in ray.nodes()
+        if node["Alive"] and node["NodeManagerAddress"] != here
+    }
+    if not local or not others:
+        return
+    for key, path in local:
+        blind = _nodes_not_seeing(storage.nearest_existing(storage.absolute(path)), others)
+        if blind:
+            nodes = f"node{'s' if len(blind) > 1 else ''} at {', '.join(blind)}"
+            raise ConfigError(
+                f"{key}: {path} is a folder of this machine ({here}) that the {nodes} of this Ray cluster cannot "
+                "see; on a cluster of several machines use object storage (s3://...) or a folder every node mounts"
+            )
+
+
+def dataset_setting(cfg: TrainConfig, storage_key: str = "run.storage_path") -> tuple[str, str]:
+    """The prepared dataset's path, and the setting that places it: ``data.path``, else the storage path's."""
+    return ("data.path" if cfg.data.path else storage_key), dataset_path(cfg)
+
+
+def _nodes_not_seeing(folder: str, nodes: dict[str, str]) -> list[str]:
+    """The addresses of ``nodes`` (id -> address) that do not see a file put in ``folder``; none where it cannot
+    be written (a dataset on read-only storage: nothing to tell by)."""
+    marker = os.path.join(folder, f".raywright-shared-check-{uuid.uuid4().hex}")
+    try:
+        open(marker, "x").close()
+    except OSError:
+        return []
+    try:
+        strategy = {node: NodeAffinitySchedulingStrategy(node, soft=False) for node in nodes}
+        asked = {_sees.options(scheduling_strategy=strategy[node]).remote(marker): node for node in nodes}
+        answered, unanswered = ray.wait(list(asked), num_returns=len(asked), timeout=ANSWER_TIMEOUT_S)
+        for ref in unanswered:
+            ray.cancel(ref, force=True)
+        return sorted({nodes[asked[ref]] for ref in answered if not ray.get(ref)})
+    finally:
+        os.unlink(marker)
