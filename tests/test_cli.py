@@ -62,6 +62,7 @@ CASES = [
     ("tune --config nosuch", "--config: no sweep 'nosuch'"),
     ("tune --config tiny --set name=a/b", "name"),
     ("tune --config tiny --set num_trials=0", "num_trials"),
+    ("tune --config tiny --set storage_path=s3://raywright-no-such-bucket/runs", "storage_path: cannot use s3://"),
     ("tune --config tiny --set 'space={optim.lrate: {choice: [1]}}'", "optim.lrate"),
     ("tune --resume {tmp}", "--resume"),
     ("tune --config tiny --set best_recipe_path={tmp}", "is a directory; give the path of a YAML file"),

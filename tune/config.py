@@ -125,6 +125,11 @@ class SweepConfig(Section):
         """Where sweeps go: ``storage_path``, else the base recipe's ``run.storage_path``."""
         return self.storage_path or self.base_config().run.storage_path
 
+    @property
+    def storage_setting(self) -> str:
+        """The setting that says where sweeps go, for errors about that place."""
+        return "storage_path" if self.storage_path else "run.storage_path"
+
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 

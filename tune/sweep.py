@@ -99,7 +99,7 @@ TRAIN_TRIAL_CPU = 0.01
 
 
 def _trainable(sweep: SweepConfig, stop_on_sigterm: bool):
-    storage_key = "storage_path" if sweep.storage_path else "run.storage_path"
+    storage_key = sweep.storage_setting  # before storage_path is set below
     # Absolute paths for the trials: Tune runs each in a working directory of its own.
     sweep = replace(sweep, storage_path=storage.absolute(sweep.storage_root()))
     address = [f"run.ray_address={sweep.ray_address}"] if sweep.ray_address else []
@@ -287,6 +287,7 @@ def run_sweep_config(sweep: SweepConfig, stop_on_sigterm: bool = False) -> Sweep
     it would propose and train the same trials): one that finished with no trial failed gives its summary, without
     Ray; one that was interrupted, or had trials fail, resumes as ``resume_sweep`` does, as a training run does.
     ``stop_on_sigterm``: the command line's sweep, which a SIGTERM (``ray job stop``) interrupts as Ctrl-C does."""
+    check_storage(sweep.storage_root(), sweep.storage_setting)  # before its earlier sweep is looked for there
     path = sweep_dir(sweep)
     if _ran_with(sweep, path):
         if _nothing_to_resume(path):
