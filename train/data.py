@@ -535,7 +535,10 @@ def main(argv: list[str] | None = None) -> int:
     settings = ("source", "text_column", "val_fraction", "tokenizer", "vocab_size", "bpe_train_bytes")
     data = parse(DataConfig, {name: getattr(args, name) for name in settings})
     # Before Ray starts: what would otherwise fail after it, or after the corpus is read.
-    refuse_foreign(args.out)
+    try:
+        refuse_foreign(args.out)
+    except OSError as exc:  # storage that cannot be reached
+        raise ConfigError(f"--out: cannot use {args.out}: {error_reason(exc)}") from None
     list_source(data.source or default_source())
     if data.tokenizer != "bpe":
         tokenizer_setting(data.tokenizer, "--tokenizer")

@@ -19,7 +19,7 @@ from train.config import config_from_dict
 from train.export import PROVENANCE, ExportProvenance, export_model
 from train.provenance import Provenance
 from train.run_layout import EXPORTS
-from train.schema import ConfigError, replace
+from train.schema import ConfigError, error_reason, replace
 from train.tokenizer import load_tokenizer
 
 # What an export's provenance takes from the checkpoint's metadata: its origin, step and config.
@@ -39,7 +39,9 @@ def find_checkpoint(location: str, step: int | None) -> checkpoint.Checkpoint:
             held = checkpoint.step_dirs(location)
             uri = checkpoint.checkpoint_uri(location, step)
             found = checkpoint.read_complete(uri) if uri in held else None
-    except (OSError, checkpoint.IncompleteCheckpointError) as exc:  # storage unreachable
+    except OSError as exc:  # storage that cannot be reached
+        raise ConfigError(f"location: cannot read {location}: {error_reason(exc)}") from None
+    except checkpoint.IncompleteCheckpointError as exc:
         raise ConfigError(str(exc)) from None
     if found is not None:
         return found
