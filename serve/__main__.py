@@ -15,7 +15,7 @@ import time
 
 from serve.config import ServeConfig, load_serve_config
 from train.cli import config_parser, one_line_errors, print_config, take_sigterm_as_ctrl_c
-from train.schema import ConfigError
+from train.schema import ConfigError, error_reason
 
 # How long after a SIGTERM Ray's processes take to show that the same signal reached them (the dashboard's die first).
 SIGNAL_REACHES_RAY_S = 0.5
@@ -135,9 +135,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         location = resolve_export(cfg.checkpoint)
-    except OSError as exc:  # not there, or storage that cannot be reached
-        message = str(exc).splitlines()[0]
-        raise ConfigError(message if message.startswith("checkpoint") else f"checkpoint: {message}") from None
+    except OSError as exc:  # not there (said naming the setting), or storage that cannot be reached
+        message = error_reason(exc)
+        if not message.startswith("checkpoint"):
+            message = f"checkpoint: cannot read {cfg.checkpoint}: {message}"
+        raise ConfigError(message) from None
     from train.export import read_provenance
     from train.hf_gpt2 import check_weights, read_model_config
     from train.tokenizer import load_tokenizer

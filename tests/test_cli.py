@@ -70,6 +70,7 @@ CASES = [
     ("tune --resume {tmp} --set num_trials=3", "--set: a resumed sweep keeps the settings it started with"),
     ("serve", "checkpoint"),
     ("serve --checkpoint {tmp}/no-such-export", "checkpoint"),
+    ("serve --checkpoint s3://raywright-no-such-bucket/runs/tiny", "checkpoint: cannot read s3://raywright-no-such"),
     ("serve --checkpoint {tmp}/resumed/tiny", "export one of its checkpoints first (python -m train.export_checkpoint"),
     ("serve --checkpoint {tmp}/stale-record", "stale-record/raywright.json is not a training record this raywright r"),
     ("serve --checkpoint {tmp}/cut-weights", "cut-weights/model.safetensors: 70 bytes, where its header describes 80"),
