@@ -1,9 +1,9 @@
 """A local storage path on a Ray cluster of several machines must be one folder that every machine mounts.
 
 Otherwise each machine writes its part (a dataset's shards, a checkpoint's) to a disk of its own, and the run fails
-later with an error that names something else: a dataset that "gives no train sequence", a checkpoint missing
-shards. So before anything is written there, the driver puts a file in the folder and asks each other machine
-whether it sees it.
+later with an error that names something else (a corpus that "gives no train sequence": its shards went to the
+other machine). So before anything is written there, the driver puts a file in the folder and asks each other
+machine whether it sees it.
 """
 
 import os
@@ -17,7 +17,7 @@ from train.config import TrainConfig
 from train.data import dataset_path
 from train.schema import ConfigError
 
-# A node that has not answered by then (starting, or going away) is not judged: only what a node says counts.
+# A node that has not answered by then (busy starting, or going away) is not judged: only what a node says counts.
 ANSWER_TIMEOUT_S = 60.0
 
 
@@ -67,6 +67,14 @@ def _nodes_not_seeing(folder: str, nodes: dict[str, str]) -> list[str]:
         answered, unanswered = ray.wait(list(asked), num_returns=len(asked), timeout=ANSWER_TIMEOUT_S)
         for ref in unanswered:
             ray.cancel(ref, force=True)
-        return sorted({nodes[asked[ref]] for ref in answered if not ray.get(ref)})
+        return sorted({nodes[asked[ref]] for ref in answered if _answer(ref) is False})
     finally:
         os.unlink(marker)
+
+
+def _answer(ref: ray.ObjectRef) -> bool | None:
+    """What a node answered; None where it went away meanwhile (not judged)."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayError:
+        return None
