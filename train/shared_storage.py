@@ -30,16 +30,23 @@ def check_nodes_share(paths: list[tuple[str, str]]) -> None:
     """Raise ConfigError naming the key where a local path of ``paths`` (config key, path) is not the same folder
     on every alive node at another address than this driver's (a node at its address shares its disk)."""
     local = [(key, path) for key, path in paths if storage.is_local(path)]
+    if not local:  # object storage, as on cluster.yaml: nothing to ask
+        return
     here = ray.util.get_node_ip_address()
     others = {
         node["NodeID"]: node["NodeManagerAddress"]
         for node in ray.nodes()
         if node["Alive"] and node["NodeManagerAddress"] != here
     }
-    if not local or not others:
+    if not others:
         return
+    asked: set[str] = set()  # a run's storage and its dataset often come down to one existing folder: asked once
     for key, path in local:
-        blind = _nodes_not_seeing(storage.nearest_existing(storage.absolute(path)), others)
+        folder = storage.nearest_existing(storage.absolute(path))
+        if folder in asked:
+            continue
+        asked.add(folder)
+        blind = _nodes_not_seeing(folder, others)
         if blind:
             nodes = f"node{'s' if len(blind) > 1 else ''} at {', '.join(blind)}"
             raise ConfigError(
@@ -62,8 +69,10 @@ def _nodes_not_seeing(folder: str, nodes: dict[str, str]) -> list[str]:
     except OSError:
         return []
     try:
-        strategy = {node: NodeAffinitySchedulingStrategy(node, soft=False) for node in nodes}
-        asked = {_sees.options(scheduling_strategy=strategy[node]).remote(marker): node for node in nodes}
+        asked = {
+            _sees.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(marker): node
+            for node in nodes
+        }
         answered, unanswered = ray.wait(list(asked), num_returns=len(asked), timeout=ANSWER_TIMEOUT_S)
         for ref in unanswered:
             ray.cancel(ref, force=True)
