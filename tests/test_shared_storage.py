@@ -37,6 +37,13 @@ def _start(command: str, log: Path) -> subprocess.Popen:
     )
 
 
+def _python(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """``python ARGS`` from the checkout, a driver of the two-machine Ray."""
+    return subprocess.run(
+        [sys.executable, *args], cwd=REPO, env={**TOKEN_AUTH, **env}, capture_output=True, text=True, timeout=300
+    )
+
+
 def _stop(process: subprocess.Popen) -> None:
     """The machine switched off: its node's processes, one process group, killed at once (`ray start --block` takes
     ~30 s to stop them on SIGTERM)."""
@@ -88,14 +95,7 @@ def test_a_local_storage_path_that_another_machine_cannot_see_is_one_line_before
     """Before, the dataset's shards went to the other machine's disk and the run failed saying that the corpus
     "gives no train sequence"."""
     address, hidden, _ = two_machines
-    done = subprocess.run(
-        [sys.executable, "-m", "train", "--set", f"run.ray_address={address}", "--set", f"run.storage_path={hidden}"],
-        cwd=REPO,
-        env=TOKEN_AUTH,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = _python("-m", "train", "--set", f"run.ray_address={address}", "--set", f"run.storage_path={hidden}")
     assert done.returncode == 2, done.stderr[-3000:]
     said = done.stderr.splitlines()[-1]
     assert said.startswith(f"config error: run.storage_path: {hidden} is a folder of this machine ("), said
@@ -112,14 +112,20 @@ def test_a_folder_every_node_sees_passes_and_the_check_names_the_setting_whose_f
         "import ray, sys; ray.init(address=sys.argv[1]); from train.shared_storage import check_nodes_share; "
         "check_nodes_share([('data.path', sys.argv[2] + '/prepared/here'), ('run.storage_path', sys.argv[3])])"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", check, address, str(shared), str(hidden)],
-        cwd=REPO,
-        env=TOKEN_AUTH,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = _python("-c", check, address, str(shared), str(hidden))
     assert done.returncode == 1 and f"ConfigError: run.storage_path: {hidden} is a folder" in done.stderr
     assert "data.path" not in done.stderr.splitlines()[-1]
     assert not list(shared.rglob(".raywright-shared-check-*"))
+
+
+def test_serving_a_local_checkpoint_that_another_machine_cannot_see_is_one_line(two_machines, memorized_export):
+    """Before, the replicas, placed on the other machine (the head has no CPU), failed to load it on every restart
+    and the command waited on them."""
+    address, hidden, _ = two_machines
+    checkpoint = hidden / "memorized"
+    shutil.copytree(memorized_export, checkpoint)
+    done = _python("-m", "serve", "--checkpoint", str(checkpoint), "--port", str(free_ports(1)[0]), RAY_ADDRESS=address)
+    assert done.returncode == 2, done.stderr[-3000:]
+    said = done.stderr.splitlines()[-1]
+    assert said.startswith(f"config error: checkpoint: {checkpoint} is a folder of this machine ("), said
+    assert sorted(path.name for path in checkpoint.iterdir()) == sorted(os.listdir(memorized_export))
