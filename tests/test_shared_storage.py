@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from ray._common.test_utils import wait_for_condition
 
 from tests.conftest import REPO
 from train.process_group import free_ports
@@ -44,6 +45,11 @@ def _python(*args: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
+def _train(address: str, storage_path: Path) -> list[str]:
+    """The arguments of ``python -m train`` on the Ray at ``address``, its runs in ``storage_path``."""
+    return ["-m", "train", "--set", f"run.ray_address={address}", "--set", f"run.storage_path={storage_path}"]
+
+
 def _stop(process: subprocess.Popen) -> None:
     """The machine switched off: its node's processes, one process group, killed at once (`ray start --block` takes
     ~30 s to stop them on SIGTERM)."""
@@ -52,50 +58,121 @@ def _stop(process: subprocess.Popen) -> None:
     process.wait(timeout=30)
 
 
+@contextlib.contextmanager
+def _node(command: str, log: Path) -> Iterator[None]:
+    """A Ray node that ``command`` starts, up for the block."""
+    process = _start(command, log)
+    try:
+        deadline = time.time() + 120
+        while "Ray runtime started" not in log.read_text():
+            assert process.poll() is None and time.time() < deadline, log.read_text()
+            time.sleep(1)
+        yield
+    finally:
+        _stop(process)
+
+
+@contextlib.contextmanager
+def _head(root: Path) -> Iterator[str]:
+    """The head of a Ray, with no CPU for work (as cluster.yaml's), up for the block; its address."""
+    ray_dir = tempfile.mkdtemp(prefix="rw-", dir="/tmp")  # short: Ray's socket paths live under it
+    port, dashboard = free_ports(2)
+    try:
+        with _node(
+            f"exec ray start --head --block --port={port} --num-cpus=0 --dashboard-port={dashboard} "
+            f"--temp-dir={ray_dir}",
+            root / "head.log",
+        ):
+            yield f"127.0.0.1:{port}"
+    finally:
+        shutil.rmtree(ray_dir, ignore_errors=True)
+
+
+def _other_machine(address: str, hidden: Path, log: Path, cpus: int = 1) -> contextlib.AbstractContextManager[None]:
+    """A node of the Ray at ``address`` on another machine, one that does not see ``hidden``."""
+    return _node(
+        f"unshare -m --propagation private bash -c 'mount -t tmpfs none {hidden} && exec ray start --block "
+        f"--address={address} --node-ip-address={OTHER_MACHINE} --num-cpus={cpus}'",
+        log,
+    )
+
+
 @pytest.fixture(scope="module")
-def two_machines(tmp_path_factory) -> Iterator[tuple[str, Path, Path]]:
-    """The address of a Ray of two nodes, a folder the second does not see, and one it does."""
+def can_unshare() -> None:
     if not _can_unshare():
         pytest.skip("needs unshare -m (a mount namespace) to hide a folder from one node")
+
+
+def _train_as_a_node_joins(root: Path, hidden: Path, *settings: str) -> str:
+    """Run ``python -m train`` with its storage in ``hidden`` (and ``settings``) on a Ray whose only node is its
+    head, as cluster.yaml's starts; once the run has checked the nodes there and waits for workers, a node that
+    does not see ``hidden`` joins (an autoscaler's). What the run says of its error, once it exits with code 2."""
+    out, err = root / "run.out", root / "run.err"
+    with _head(root) as address:
+        run = subprocess.Popen(
+            [sys.executable, *_train(address, hidden), *[arg for setting in settings for arg in ("--set", setting)]],
+            cwd=REPO,
+            env=TOKEN_AUTH,
+            stdout=out.open("w"),
+            stderr=err.open("w"),
+        )
+        try:
+            # Said after the driver asked the nodes (none but the head); the node takes seconds to start.
+            wait_for_condition(lambda: "waiting for the cluster to add nodes" in err.read_text(), timeout=120)
+            with _other_machine(address, hidden, root / "other.log", cpus=2):
+                assert run.wait(timeout=300) == 2, err.read_text()[-3000:]
+        finally:
+            run.kill()
+    said = [line for line in err.read_text().splitlines() if "error" in line]  # Ray's log lines may follow
+    assert len(said) == 1, said
+    return said[0]
+
+
+def test_a_node_that_joins_after_the_run_started_and_cannot_see_its_storage_stops_the_run_in_one_line(
+    can_unshare, tmp_path
+):
+    """Before, the dataset's shards went to the late node's disk, and the run blamed the corpus. First in this file:
+    it runs before the module's two-machine Ray starts."""
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    said = _train_as_a_node_joins(tmp_path, hidden)  # naming the dataset's folder, which run.storage_path places
+    assert said.startswith(f"config error: run.storage_path: {hidden}/datasets/"), said
+    assert "is a folder of this machine (" in said and f"node at {OTHER_MACHINE} of this Ray cluster cannot" in said
+    assert not list(hidden.rglob("*.parquet")) and not list(hidden.rglob(".raywright-shared-check-*"))
+
+
+def test_training_workers_on_a_node_that_cannot_see_the_runs_folder_stop_the_run_in_one_line(
+    can_unshare, tmp_path, tiny_dataset
+):
+    """The dataset in a folder every node sees, the run's in one the late node does not. Before, the run trained
+    there, wrote its checkpoints and export to that node's disk, and said it had ended well: exit code 0, and no
+    model where it said."""
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    said = _train_as_a_node_joins(tmp_path, hidden, f"data.path={tiny_dataset}", "optim.max_steps=10")
+    assert said.startswith(f"config error: run.storage_path: {hidden} is a folder of this machine ("), said
+    assert said.endswith(
+        f") that the node at {OTHER_MACHINE} of this Ray cluster cannot see; on a cluster of several machines use "
+        "object storage (s3://...) or a folder every node mounts"
+    )
+
+
+@pytest.fixture(scope="module")
+def two_machines(can_unshare, tmp_path_factory) -> Iterator[tuple[str, Path, Path]]:
+    """The address of a Ray of two nodes, a folder the second does not see, and one it does."""
     root = tmp_path_factory.mktemp("machines")
     hidden, shared = root / "hidden", root / "shared"
     hidden.mkdir()
     shared.mkdir()
-    # Short: Ray's socket paths live under it.
-    ray_dir = tempfile.mkdtemp(prefix="rw-", dir="/tmp")
-    port, dashboard = free_ports(2)
-    address = f"127.0.0.1:{port}"
-    head = _start(
-        f"exec ray start --head --block --port={port} --num-cpus=0 --dashboard-port={dashboard} --temp-dir={ray_dir}",
-        root / "head.log",
-    )
-    other = None
-    try:
-        deadline = time.time() + 120
-        while "Ray runtime started" not in (root / "head.log").read_text():
-            assert head.poll() is None and time.time() < deadline, (root / "head.log").read_text()
-            time.sleep(1)
-        other = _start(
-            f"unshare -m --propagation private bash -c 'mount -t tmpfs none {hidden} && exec ray start --block "
-            f"--address={address} --node-ip-address={OTHER_MACHINE} --num-cpus=1'",
-            root / "other.log",
-        )
-        while "Ray runtime started" not in (root / "other.log").read_text():
-            assert other.poll() is None and time.time() < deadline, (root / "other.log").read_text()
-            time.sleep(1)
+    with _head(root) as address, _other_machine(address, hidden, root / "other.log"):
         yield address, hidden, shared
-    finally:
-        for process in (other, head):
-            if process is not None:
-                _stop(process)
-        shutil.rmtree(ray_dir, ignore_errors=True)
 
 
 def test_a_local_storage_path_that_another_machine_cannot_see_is_one_line_before_anything_is_written(two_machines):
     """Before, the dataset's shards went to the other machine's disk and the run failed saying that the corpus
     "gives no train sequence"."""
     address, hidden, _ = two_machines
-    done = _python("-m", "train", "--set", f"run.ray_address={address}", "--set", f"run.storage_path={hidden}")
+    done = _python(*_train(address, hidden))
     assert done.returncode == 2, done.stderr[-3000:]
     said = done.stderr.splitlines()[-1]
     assert said.startswith(f"config error: run.storage_path: {hidden} is a folder of this machine ("), said

@@ -343,12 +343,14 @@ def _ray_data_logs_to_file_only() -> Iterator[None]:
             handler.removeFilter(warning_for_the_console)
 
 
-def prepare(data: DataConfig, out: str, seq_len: int) -> Manifest:
+def prepare(data: DataConfig, out: str, seq_len: int, out_setting: str = "--out") -> Manifest:
     """Tokenize ``data.source`` into sequences of ``seq_len + 1`` tokens in Parquet shards under ``out`` (not
     ``data.path``, which may be left to a run to derive) and return the manifest. The tokenizer, as ``data``
-    chooses it, is stored in ``out/tokenizer.json``.
+    chooses it, is stored in ``out/tokenizer.json``. ``out_setting`` names ``out`` in errors.
     """
     import ray.data
+
+    from train.shared_storage import check_nodes_share
 
     refuse_foreign(out)  # before any work: a user's directory is never touched
     ray.data.DataContext.get_current().execution_options.preserve_order = True  # reproducible shards
@@ -360,6 +362,8 @@ def prepare(data: DataConfig, out: str, seq_len: int) -> Manifest:
         train_bytes = sums["train"]["num_bytes"]
         chosen = make_tokenizer(data.tokenizer, data.vocab_size, docs, train_bytes, data.bpe_train_bytes)
         tokens = docs.map_batches(_tokenize, fn_kwargs={"tokenizer": chosen}, batch_format="numpy").materialize()
+        # Asked again now that the nodes writing the shards are up, those an autoscaler added for this work too.
+        check_nodes_share([(out_setting, out)])
         # Locally the dataset is written to a sibling and renamed into place, so an interrupted or concurrent
         # preparation never leaves a half-written one at ``out``; object storage has no rename: written in place.
         staging = f"{out.rstrip('/')}.preparing-{uuid.uuid4().hex[:8]}" if storage.is_local(out) else out

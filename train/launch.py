@@ -22,12 +22,12 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from train import checkpoint, storage
 from train.cli import take_sigterm_as_ctrl_c, use_cpu_deepspeed_unless_gpu_workers
 from train.config import TrainConfig
-from train.data import dataset_path, prepare
+from train.data import prepare
 from train.evaluation import Evaluation
 from train.export import final_evaluation
-from train.lease import Lease
+from train.lease import LEASE, Lease
 from train.loop import train_loop
-from train.loop_args import LoopArgs
+from train.loop_args import LoopArgs, SharedFolder
 from train.manifest import Manifest, load_manifest
 from train.metrics import HEALTH_CHECK_INTERVAL_ENV, MetricsRecorder, read_metrics
 from train.preflight import check_dataset_matches, cluster_address
@@ -175,8 +175,15 @@ def run_uri(cfg: TrainConfig) -> str:
     return storage.absolute(storage.join(cfg.run.storage_path, cfg.run.name))
 
 
-def loop_args(cfg: TrainConfig, data_path: str, manifest: Manifest, timeline: str | None = None) -> LoopArgs:
-    """The ``args`` of ``train_loop`` for ``cfg``; ``timeline`` names the RunTimeline actor to report to."""
+def loop_args(
+    cfg: TrainConfig,
+    data_path: str,
+    manifest: Manifest,
+    timeline: str | None = None,
+    shared_folder: SharedFolder | None = None,
+) -> LoopArgs:
+    """The ``args`` of ``train_loop`` for ``cfg``; ``timeline`` names the RunTimeline actor to report to, and the
+    workers check that they see ``shared_folder``."""
     return LoopArgs(
         config=cfg,
         run_uri=run_uri(cfg),
@@ -186,19 +193,38 @@ def loop_args(cfg: TrainConfig, data_path: str, manifest: Manifest, timeline: st
         provenance=Provenance(
             data_manifest_sha256=manifest.sha256, data_source_sha256=manifest.source_sha256, code_version=code_version()
         ),
+        shared_folder=shared_folder,
+    )
+
+
+def shared_run_folder(cfg: TrainConfig) -> SharedFolder | None:
+    """The run's folder as its workers check it, its lease held by this driver; None on object storage."""
+    if not storage.is_local(cfg.run.storage_path):
+        return None
+    return SharedFolder(
+        setting="run.storage_path",
+        path=cfg.run.storage_path,
+        file=storage.join(run_uri(cfg), LEASE),
+        driver_ip=ray.util.get_node_ip_address(),
     )
 
 
 def build_trainer(
-    cfg: TrainConfig, data_path: str, manifest: Manifest, timeline: str | None = None, callbacks: list = ()
+    cfg: TrainConfig,
+    data_path: str,
+    manifest: Manifest,
+    timeline: str | None = None,
+    callbacks: list = (),
+    shared_folder: SharedFolder | None = None,
 ) -> ElasticTorchTrainer:
-    """The TorchTrainer for ``cfg``; ``callbacks`` are added to raywright's metrics recorder."""
+    """The TorchTrainer for ``cfg``; ``callbacks`` are added to raywright's metrics recorder; the other arguments
+    are ``loop_args``'."""
     set_ray_train_env(cfg)
     scaling = cfg.scaling
     num_workers = scaling.num_workers if isinstance(scaling.num_workers, int) else tuple(scaling.num_workers)
     return ElasticTorchTrainer(
         train_loop,
-        train_loop_config=loop_args(cfg, data_path, manifest, timeline).to_dict(),
+        train_loop_config=loop_args(cfg, data_path, manifest, timeline, shared_folder).to_dict(),
         scaling_config=RayScalingConfig(
             num_workers=num_workers,
             use_gpu=scaling.use_gpu,
@@ -217,13 +243,17 @@ def build_trainer(
     )
 
 
-def ensure_dataset(cfg: TrainConfig) -> tuple[str, Manifest]:
-    """The prepared dataset's path and manifest, preparing it first if it is missing or incomplete."""
-    data, path = cfg.data, dataset_path(cfg)
+def ensure_dataset(cfg: TrainConfig, storage_key: str = "run.storage_path") -> tuple[str, Manifest]:
+    """The prepared dataset's path and manifest, preparing it first if it is missing or incomplete.
+
+    ``storage_key``: the setting that names ``cfg.run.storage_path`` (a sweep's is its own).
+    """
+    data = cfg.data
+    setting, path = dataset_setting(cfg, storage_key)
     manifest = load_manifest(path)
     if manifest is None:
         print(f"preparing dataset from {data.source or 'the Python standard library'} into {path}", flush=True)
-        manifest = prepare(data, path, cfg.model.seq_len)
+        manifest = prepare(data, path, cfg.model.seq_len, setting)
         print(f"{manifest.tokens_per_byte:.3f} tokens per byte with the {data.tokenizer} tokenizer", flush=True)
     else:
         check_dataset_matches(cfg, path, manifest)
@@ -272,7 +302,7 @@ def _train_holding_lease(cfg: TrainConfig, stop_on_sigterm: bool) -> RunSummary:
         cfg.run.side_files_upload_s,
     )
     try:
-        build_trainer(cfg, data_path, manifest, timeline_name).fit()
+        build_trainer(cfg, data_path, manifest, timeline_name, shared_folder=shared_run_folder(cfg)).fit()
     except BaseException:
         # Stopped (Ctrl-C, `ray job stop`) or failed: this driver's part of the run ends here, and is not lost:
         # a driver that resumes the run adds a segment to its record, the time between not counted.

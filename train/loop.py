@@ -30,7 +30,7 @@ from train.evaluation import Evaluation
 from train.export import ExportProvenance, export_model
 from train.hf_gpt2 import load_weights
 from train.loader import SampleOrder, micro_batch_samples
-from train.loop_args import LoopArgs
+from train.loop_args import LoopArgs, SharedFolder
 from train.memory import plan_memory, worker_capacity_bytes
 from train.metrics import (
     HEALTH_CHECK_INTERVAL_ENV,
@@ -46,7 +46,8 @@ from train.run_files import JsonlLog
 from train.run_layout import export_uri
 from train.schedule import lr_at
 from train.schema import parse, replace
-from train.stops import DivergedError, OutOfDiskError, RunStopped
+from train.shared_storage import not_seen
+from train.stops import DivergedError, OutOfDiskError, RunStopped, StorageNotSharedError
 from train.timeline import CheckpointEvent, Startup, describe_resize
 from train.tokenizer import load_tokenizer
 
@@ -122,7 +123,34 @@ def train_loop(
     ``args``: ``LoopArgs.to_dict()`` (train/loop_args.py).
     ``report`` and ``preemption_info`` default to Ray Train's; a Tune trial passes Tune's report.
     """
-    Trainer(parse(LoopArgs, args), report, preemption_info).run()
+    loop_args = parse(LoopArgs, args)
+    try:
+        if loop_args.shared_folder:
+            _check_every_rank_sees(loop_args.shared_folder)
+    except RunStopped as stopped:
+        _end_early(stopped, report, loop_args.timeline)
+        return
+    Trainer(loop_args, report, preemption_info).run()
+
+
+def _check_every_rank_sees(folder: SharedFolder) -> None:
+    """Raise StorageNotSharedError on every rank where a rank does not see the driver's file in ``folder``: before
+    anything is read or written there, which such a rank would do on a disk of its own."""
+    answers: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(answers, (ray.util.get_node_ip_address(), os.path.exists(folder.file)))
+    blind = sorted({address for address, sees in answers if not sees})
+    if blind:  # at step 0: the run's own step is in the checkpoints this rank cannot read
+        raise StorageNotSharedError(not_seen(folder.setting, folder.path, folder.driver_ip, blind), step=0)
+
+
+def _end_early(stopped: RunStopped, report: Callable[[dict], None], timeline: str | None) -> None:
+    """End this attempt with the report that names ``stopped``, as every rank does (``train/stops.py``)."""
+    rank = dist.get_rank()
+    if rank == 0:
+        print(f"error: {stopped}", flush=True)
+        if timeline:
+            ray.get(ray.get_actor(timeline).record_stop.remote(stopped))  # before the driver asks
+    report(stopped.report(time.time()))
 
 
 def _held_weights(param: torch.nn.Parameter, rank: int) -> torch.Tensor:
@@ -283,12 +311,7 @@ class Trainer:
             self._train()
             self._evaluate_and_export()
         except RunStopped as stopped:
-            report = stopped.report(time.time())
-            if self.rank == 0:
-                print(f"error: {stopped}", flush=True)
-            if self.timeline:
-                ray.get(self.timeline.record_stop.remote(stopped))  # before the driver asks
-            self._report_fn(report)
+            _end_early(stopped, self._report_fn, self.args.timeline)
 
     def _train(self) -> None:
         try:

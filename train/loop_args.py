@@ -11,6 +11,16 @@ from train.provenance import Provenance
 from train.schema import Section
 
 
+class SharedFolder(Section):
+    """A local folder that every worker must see as the driver does: on a Ray cluster of several machines, one
+    they all mount. Workers on a node that joined after the driver asked (an autoscaler's) check it themselves."""
+
+    setting: str  # the config key that places it
+    path: str  # as that setting gives it
+    file: str  # absolute: a file the driver holds there while the workers run (the run's lease)
+    driver_ip: str
+
+
 class LoopArgs(Section):
     """A run's settings for ``train_loop`` on every worker."""
 
@@ -20,6 +30,7 @@ class LoopArgs(Section):
     timeline: str | None  # the name of the RunTimeline actor rank 0 reports to; None: no timeline (a sweep trial)
     tokens_per_byte: float  # of the dataset, end-of-text tokens included: for bits per byte
     provenance: Provenance
+    shared_folder: SharedFolder | None = None  # None: object storage, or a sweep trial's (its sweep checks it)
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

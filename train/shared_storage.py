@@ -3,7 +3,8 @@
 Otherwise each machine writes its part (a dataset's shards, a checkpoint's) to a disk of its own, and the run fails
 later with an error that names something else (a corpus that "gives no train sequence": its shards went to the
 other machine). So before anything is written there, the driver puts a file in the folder and asks each other
-machine whether it sees it.
+machine whether it sees it. Machines that join later (an autoscaler's) are asked where work reaches them: a dataset
+being prepared asks again once its nodes are up, and training workers look for the run's lease (train/loop.py).
 """
 
 import os
@@ -48,11 +49,16 @@ def check_nodes_share(paths: list[tuple[str, str]]) -> None:
         asked.add(folder)
         blind = _nodes_not_seeing(folder, others)
         if blind:
-            nodes = f"node{'s' if len(blind) > 1 else ''} at {', '.join(blind)}"
-            raise ConfigError(
-                f"{key}: {path} is a folder of this machine ({here}) that the {nodes} of this Ray cluster cannot "
-                "see; on a cluster of several machines use object storage (s3://...) or a folder every node mounts"
-            )
+            raise ConfigError(not_seen(key, path, here, blind))
+
+
+def not_seen(key: str, path: str, here: str, blind: list[str]) -> str:
+    """What a check says of the folder ``path`` of the machine at ``here`` that the nodes at ``blind`` cannot see."""
+    nodes = f"node{'s' if len(blind) > 1 else ''} at {', '.join(blind)}"
+    return (
+        f"{key}: {path} is a folder of this machine ({here}) that the {nodes} of this Ray cluster cannot see; on a "
+        "cluster of several machines use object storage (s3://...) or a folder every node mounts"
+    )
 
 
 def dataset_setting(cfg: TrainConfig, storage_key: str = "run.storage_path") -> tuple[str, str]:

@@ -8,6 +8,8 @@ returns; the driver raises it again from that report, the run's last.
 
 from typing import Any, ClassVar
 
+from train.schema import ConfigError
+
 
 class RunStopped(RuntimeError):
     """An end of the run at ``step``, on every rank alike, that a restart would repeat."""
@@ -38,9 +40,16 @@ class OutOfDiskError(RunStopped):
     key = "out_of_disk"
 
 
+class StorageNotSharedError(RunStopped, ConfigError):
+    """A worker does not see the run's local folder: it runs on another machine that does not mount it. A config
+    error, said as the driver's own check says it."""
+
+    key = "storage_not_shared"
+
+
 def stop_in(report: dict[str, Any]) -> RunStopped | None:
     """The end that ``report`` names, if it is one."""
-    for kind in (DivergedError, OutOfDiskError):
+    for kind in (DivergedError, OutOfDiskError, StorageNotSharedError):
         if kind.key in report:
             return kind(report[kind.key], report["step"])
     return None

@@ -115,7 +115,7 @@ def _trainable(sweep: SweepConfig, stop_on_sigterm: bool):
         check_nodes_share([(storage_key, sweep.storage_path), dataset_setting(cfg, storage_key)])
     if stop_on_sigterm:  # Tune then saves the sweep's state and stops its trials
         take_sigterm_as_ctrl_c()
-    data_path, manifest = ensure_dataset(cfg)  # prepared once by the driver, read by every trial
+    data_path, manifest = ensure_dataset(cfg, storage_key)  # prepared once by the driver, read by every trial
     data_path = storage.absolute(data_path)
     trainable = tune.with_parameters(run_trial, sweep=sweep, data_path=data_path, manifest=manifest)
     return tune.with_resources(trainable, _trial_process_resources(sweep)), data_path
