@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -103,29 +103,34 @@ def can_unshare() -> None:
         pytest.skip("needs unshare -m (a mount namespace) to hide a folder from one node")
 
 
-def _train_as_a_node_joins(root: Path, hidden: Path, *settings: str) -> str:
-    """Run ``python -m train`` with its storage in ``hidden`` (and ``settings``) on a Ray whose only node is its
-    head, as cluster.yaml's starts; once the run has checked the nodes there and waits for workers, a node that
-    does not see ``hidden`` joins (an autoscaler's). What the run says of its error, once it exits with code 2."""
+def _run_as_a_node_joins(root: Path, hidden: Path, args: Callable[[str], list[str]], asked: str) -> tuple[int, str]:
+    """Run ``python ARGS`` (``args`` of the Ray's address) on a Ray whose only node is its head, as cluster.yaml's
+    starts; once the command has said ``asked`` (after it asked the nodes there), a node that does not see
+    ``hidden`` joins, as an autoscaler's does. The command's exit code and its error lines."""
     out, err = root / "run.out", root / "run.err"
     with _head(root) as address:
         run = subprocess.Popen(
-            [sys.executable, *_train(address, hidden), *[arg for setting in settings for arg in ("--set", setting)]],
-            cwd=REPO,
-            env=TOKEN_AUTH,
-            stdout=out.open("w"),
-            stderr=err.open("w"),
+            [sys.executable, *args(address)], cwd=REPO, env=TOKEN_AUTH, stdout=out.open("w"), stderr=err.open("w")
         )
         try:
-            # Said after the driver asked the nodes (none but the head); the node takes seconds to start.
-            wait_for_condition(lambda: "waiting for the cluster to add nodes" in err.read_text(), timeout=120)
+            # The node takes seconds to start: the command is past its own check by then.
+            wait_for_condition(lambda: asked in out.read_text() + err.read_text(), timeout=120)
             with _other_machine(address, hidden, root / "other.log", cpus=2):
-                assert run.wait(timeout=300) == 2, err.read_text()[-3000:]
+                code = run.wait(timeout=300)
         finally:
             run.kill()
-    said = [line for line in err.read_text().splitlines() if "error" in line]  # Ray's log lines may follow
-    assert len(said) == 1, said
-    return said[0]
+    return code, "\n".join(line for line in err.read_text().splitlines() if line.startswith(("error", "config error")))
+
+
+def _train_as_a_node_joins(root: Path, hidden: Path, *settings: str) -> str:
+    """What ``python -m train`` with its storage in ``hidden`` (and ``settings``) says as a node that does not see
+    it joins while the run waits for workers; it exits with code 2."""
+    sets = [arg for setting in settings for arg in ("--set", setting)]
+    code, said = _run_as_a_node_joins(
+        root, hidden, lambda address: [*_train(address, hidden), *sets], "waiting for the cluster to add nodes"
+    )
+    assert code == 2, said
+    return said
 
 
 def test_a_node_that_joins_after_the_run_started_and_cannot_see_its_storage_stops_the_run_in_one_line(
@@ -155,6 +160,29 @@ def test_training_workers_on_a_node_that_cannot_see_the_runs_folder_stop_the_run
         f") that the node at {OTHER_MACHINE} of this Ray cluster cannot see; on a cluster of several machines use "
         "object storage (s3://...) or a folder every node mounts"
     )
+
+
+def test_sweep_trials_on_a_node_that_cannot_see_the_sweeps_folder_fail_naming_it(can_unshare, tmp_path, tiny_dataset):
+    """Before, the trial trained there, its run (checkpoints, metrics) on that node's disk, and the sweep ended well:
+    its trials could not resume from their checkpoints, and its summary lacked their runs."""
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(
+        "name: late\nbase: tiny\nnum_trials: 1\nmax_concurrent_trials: 1\ngrace_period: 4\n"
+        f"set: [optim.max_steps=10, optim.warmup_steps=2, run.eval_every=5, data.path={tiny_dataset}]\n"
+        "space: {optim.lr: {loguniform: [1.0e-4, 3.0e-2]}}\ntrial_resources: {CPU: 1}\n"
+        f"storage_path: {hidden}\n"
+    )
+    code, said = _run_as_a_node_joins(
+        tmp_path,
+        hidden,
+        lambda address: ["-m", "tune", "--config", str(sweep), "--set", f"ray_address={address}"],
+        "Trial status: 1 PENDING",
+    )
+    assert code == 1 and said.startswith("error: sweep 'late': no trial reported val_loss; trial "), said
+    assert f"failed: train.stops.StorageNotSharedError: storage_path: {hidden} is a folder of this machine (" in said
+    assert f"the node at {OTHER_MACHINE} of this Ray cluster cannot see" in said
 
 
 @pytest.fixture(scope="module")

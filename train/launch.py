@@ -36,7 +36,7 @@ from train.provenance import Provenance
 from train.run_layout import export_uri
 from train.scaling_policy import ElasticTorchTrainer
 from train.schema import replace
-from train.shared_storage import check_nodes_share, dataset_setting
+from train.shared_storage import check_nodes_share, dataset_setting, shared_folder
 from train.timeline import (
     TIMELINE_PREFIX,
     ElasticSummary,
@@ -197,18 +197,6 @@ def loop_args(
     )
 
 
-def shared_run_folder(cfg: TrainConfig) -> SharedFolder | None:
-    """The run's folder as its workers check it, its lease held by this driver; None on object storage."""
-    if not storage.is_local(cfg.run.storage_path):
-        return None
-    return SharedFolder(
-        setting="run.storage_path",
-        path=cfg.run.storage_path,
-        file=storage.join(run_uri(cfg), LEASE),
-        driver_ip=ray.util.get_node_ip_address(),
-    )
-
-
 def build_trainer(
     cfg: TrainConfig,
     data_path: str,
@@ -289,6 +277,8 @@ def _train_holding_lease(cfg: TrainConfig, stop_on_sigterm: bool) -> RunSummary:
         take_sigterm_as_ctrl_c()  # after the idle timeout, not 3 minutes later when the request expires
     data_path, manifest = ensure_dataset(cfg)
     run = run_uri(cfg)
+    # The workers look for the lease that this driver holds in the run's folder.
+    shared_run_folder = shared_folder("run.storage_path", cfg.run.storage_path, storage.join(run, LEASE))
     timeline_name = f"{TIMELINE_PREFIX}{cfg.run.name}-{uuid.uuid4().hex[:8]}"
     # On the driver's node (the head on a cluster): the timeline must outlive any worker node.
     timeline = RunTimeline.options(
@@ -302,7 +292,7 @@ def _train_holding_lease(cfg: TrainConfig, stop_on_sigterm: bool) -> RunSummary:
         cfg.run.side_files_upload_s,
     )
     try:
-        build_trainer(cfg, data_path, manifest, timeline_name, shared_folder=shared_run_folder(cfg)).fit()
+        build_trainer(cfg, data_path, manifest, timeline_name, shared_folder=shared_run_folder).fit()
     except BaseException:
         # Stopped (Ctrl-C, `ray job stop`) or failed: this driver's part of the run ends here, and is not lost:
         # a driver that resumes the run adds a segment to its record, the time between not counted.

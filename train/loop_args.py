@@ -17,7 +17,7 @@ class SharedFolder(Section):
 
     setting: str  # the config key that places it
     path: str  # as that setting gives it
-    file: str  # absolute: a file the driver holds there while the workers run (the run's lease)
+    file: str  # absolute: a file the driver holds there while the workers run (a run's lease, a sweep's settings)
     driver_ip: str
 
 
@@ -30,7 +30,7 @@ class LoopArgs(Section):
     timeline: str | None  # the name of the RunTimeline actor rank 0 reports to; None: no timeline (a sweep trial)
     tokens_per_byte: float  # of the dataset, end-of-text tokens included: for bits per byte
     provenance: Provenance
-    shared_folder: SharedFolder | None = None  # None: object storage, or a sweep trial's (its sweep checks it)
+    shared_folder: SharedFolder | None = None  # None: object storage (or a caller that holds no file there)
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -16,6 +16,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from train import storage
 from train.config import TrainConfig
 from train.data import dataset_path
+from train.loop_args import SharedFolder
 from train.schema import ConfigError
 
 # A node that has not answered by then (busy starting, or going away) is not judged: only what a node says counts.
@@ -58,6 +59,16 @@ def not_seen(key: str, path: str, here: str, blind: list[str]) -> str:
     return (
         f"{key}: {path} is a folder of this machine ({here}) that the {nodes} of this Ray cluster cannot see; on a "
         "cluster of several machines use object storage (s3://...) or a folder every node mounts"
+    )
+
+
+def shared_folder(setting: str, path: str, file: str) -> SharedFolder | None:
+    """``path``, the value of ``setting``, as workers check it: each must see ``file``, which this driver holds
+    there while they run; None on object storage."""
+    if not storage.is_local(path):
+        return None
+    return SharedFolder(
+        setting=setting, path=path, file=storage.absolute(file), driver_ip=ray.util.get_node_ip_address()
     )
 
 

@@ -38,7 +38,7 @@ from train.data import dataset_path
 from train.launch import ensure_dataset, init_ray, resources_offered
 from train.preflight import check_before_ray, check_storage
 from train.schema import ConfigError, replace
-from train.shared_storage import check_nodes_share, dataset_setting
+from train.shared_storage import check_nodes_share, dataset_setting, shared_folder
 from tune.asha import AshaRungs
 from tune.config import SWEEP_FILE, SweepConfig, resume_command, saved_sweep_config, sweep_config_from_dict
 from tune.plots import save_plots
@@ -99,7 +99,7 @@ TRAIN_TRIAL_CPU = 0.01
 
 
 def _trainable(sweep: SweepConfig, stop_on_sigterm: bool):
-    storage_key = sweep.storage_setting  # before storage_path is set below
+    storage_key, storage_root = sweep.storage_setting, sweep.storage_root()  # as given, before storage_path is set
     # Absolute paths for the trials: Tune runs each in a working directory of its own.
     sweep = replace(sweep, storage_path=storage.absolute(sweep.storage_root()))
     address = [f"run.ray_address={sweep.ray_address}"] if sweep.ray_address else []
@@ -117,7 +117,11 @@ def _trainable(sweep: SweepConfig, stop_on_sigterm: bool):
         take_sigterm_as_ctrl_c()
     data_path, manifest = ensure_dataset(cfg, storage_key)  # prepared once by the driver, read by every trial
     data_path = storage.absolute(data_path)
-    trainable = tune.with_parameters(run_trial, sweep=sweep, data_path=data_path, manifest=manifest)
+    # The trials look for the sweep's settings file (written before they start; a resumed sweep's is there).
+    shared = shared_folder(storage_key, storage_root, storage.join(sweep_dir(sweep), SWEEP_FILE))
+    trainable = tune.with_parameters(
+        run_trial, sweep=sweep, data_path=data_path, manifest=manifest, shared_folder=shared
+    )
     return tune.with_resources(trainable, _trial_process_resources(sweep)), data_path
 
 

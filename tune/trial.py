@@ -25,6 +25,7 @@ from train.evaluation import Evaluation
 from train.export import final_evaluation
 from train.launch import build_trainer, loop_args, run_uri
 from train.loop import train_loop
+from train.loop_args import SharedFolder
 from train.manifest import Manifest
 from train.process_group import one_process_group
 from train.schema import read_record
@@ -121,8 +122,15 @@ def this_nodes_preemption() -> PreemptionInfo | None:
     return PreemptionInfo(deadline_ms=deadline_ms or None, preempted_node_to_ranks={node: [0]})  # 0: no deadline
 
 
-def run_trial(params: dict[str, Any], sweep: SweepConfig, data_path: str, manifest: Manifest) -> None:
-    """The Tune trainable (bound with ``tune.with_parameters``)."""
+def run_trial(
+    params: dict[str, Any],
+    sweep: SweepConfig,
+    data_path: str,
+    manifest: Manifest,
+    shared_folder: SharedFolder | None = None,
+) -> None:
+    """The Tune trainable (bound with ``tune.with_parameters``); its training workers check that they see
+    ``shared_folder`` (``train/loop.py``)."""
     cfg = trial_config(sweep, params, tune.get_context().get_trial_id(), data_path)
     node_id = ray.get_runtime_context().get_node_id()
     start = time.time()
@@ -134,7 +142,8 @@ def run_trial(params: dict[str, Any], sweep: SweepConfig, data_path: str, manife
         tune.report(_to_tune(ended, start, node_id))
         return
     if sweep.on_ray_train:
-        build_trainer(cfg, data_path, manifest, callbacks=[_EvaluationsToTune(start, node_id)]).fit()
+        callbacks = [_EvaluationsToTune(start, node_id)]
+        build_trainer(cfg, data_path, manifest, callbacks=callbacks, shared_folder=shared_folder).fit()
         return
 
     def report(metrics: dict) -> None:
@@ -143,4 +152,5 @@ def run_trial(params: dict[str, Any], sweep: SweepConfig, data_path: str, manife
             tune.report(_to_tune(evaluation, start, node_id))
 
     with one_process_group(cfg.scaling.use_gpu):
-        train_loop(loop_args(cfg, data_path, manifest).to_dict(), report=report, preemption_info=this_nodes_preemption)
+        args = loop_args(cfg, data_path, manifest, shared_folder=shared_folder)
+        train_loop(args.to_dict(), report=report, preemption_info=this_nodes_preemption)
