@@ -122,6 +122,7 @@ def train_loop(
 
     ``args``: ``LoopArgs.to_dict()`` (train/loop_args.py).
     ``report`` and ``preemption_info`` default to Ray Train's; a Tune trial passes Tune's report.
+    Where ``args`` names a local folder that every rank must see, a rank that does not ends the run first.
     """
     loop_args = parse(LoopArgs, args)
     try:

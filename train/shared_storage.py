@@ -4,7 +4,8 @@ Otherwise each machine writes its part (a dataset's shards, a checkpoint's) to a
 later with an error that names something else (a corpus that "gives no train sequence": its shards went to the
 other machine). So before anything is written there, the driver puts a file in the folder and asks each other
 machine whether it sees it. Machines that join later (an autoscaler's) are asked where work reaches them: a dataset
-being prepared asks again once its nodes are up, and training workers look for the run's lease (train/loop.py).
+being prepared asks again once its nodes are up, and training workers look for a file that the driver holds there
+(a run's lease, a sweep's settings: ``shared_folder``, checked in train/loop.py).
 """
 
 import os
