@@ -172,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         ports = ", ".join(os.environ.get(name, str(port)) for name, port in HAPROXY_PORTS.items())
         print(f"warning: HAProxy's stats and metrics listen on all interfaces (ports {ports})", file=sys.stderr)
     ray.init(address=os.environ.get("RAY_ADDRESS", "local"))
-    # A replica on another machine of the cluster would otherwise fail to load it, again on every restart.
-    check_nodes_share([("checkpoint", cfg.checkpoint)])
+    if not started_ray:  # a cluster's replica on another machine would otherwise fail to load it, at every restart
+        check_nodes_share([("checkpoint", cfg.checkpoint)])
     node_id = ray.get_runtime_context().get_node_id()  # a local Ray's one node, where HAProxy runs
     # Before Serve starts: /ready answers before serve.run returns, and a stop sent then must stop the server as
     # cleanly as later.

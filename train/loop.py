@@ -125,23 +125,23 @@ def train_loop(
     Where ``args`` names a local folder that every rank must see, a rank that does not ends the run first.
     """
     loop_args = parse(LoopArgs, args)
-    try:
-        if loop_args.shared_folder:
-            _check_every_rank_sees(loop_args.shared_folder)
-    except RunStopped as stopped:
-        _end_early(stopped, report, loop_args.timeline)
+    unseen = loop_args.shared_folder and _unseen_by_a_rank(loop_args.shared_folder)
+    if unseen:
+        _end_early(unseen, report, loop_args.timeline)
         return
     Trainer(loop_args, report, preemption_info).run()
 
 
-def _check_every_rank_sees(folder: SharedFolder) -> None:
-    """Raise StorageNotSharedError on every rank where a rank does not see the driver's file in ``folder``: before
-    anything is read or written there, which such a rank would do on a disk of its own."""
+def _unseen_by_a_rank(folder: SharedFolder) -> StorageNotSharedError | None:
+    """The same on every rank: the end of the run where a rank does not see the driver's file in ``folder``.
+    Asked before anything is read or written there, which such a rank would do on a disk of its own."""
     answers: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(answers, (ray.util.get_node_ip_address(), os.path.exists(folder.file)))
     blind = sorted({address for address, sees in answers if not sees})
-    if blind:  # at step 0: the run's own step is in the checkpoints this rank cannot read
-        raise StorageNotSharedError(not_seen(folder.setting, folder.path, folder.driver_ip, blind), step=0)
+    if not blind:
+        return None
+    # At step 0: the run's own step is in the checkpoints that such a rank cannot read.
+    return StorageNotSharedError(not_seen(folder.setting, folder.path, folder.driver_ip, blind), step=0)
 
 
 def _end_early(stopped: RunStopped, report: Callable[[dict], None], timeline: str | None) -> None:

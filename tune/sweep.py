@@ -101,7 +101,7 @@ TRAIN_TRIAL_CPU = 0.01
 def _trainable(sweep: SweepConfig, stop_on_sigterm: bool):
     storage_key, storage_root = sweep.storage_setting, sweep.storage_root()  # as given, before storage_path is set
     # Absolute paths for the trials: Tune runs each in a working directory of its own.
-    sweep = replace(sweep, storage_path=storage.absolute(sweep.storage_root()))
+    sweep = replace(sweep, storage_path=storage.absolute(storage_root))
     address = [f"run.ray_address={sweep.ray_address}"] if sweep.ray_address else []
     cfg = sweep.base_config([f"run.storage_path={sweep.storage_path}", *address])
     check_before_ray(cfg)
